@@ -75,7 +75,7 @@ def add_arguments(p) -> None:
     m.add_argument("--gen-tokens", type=int, default=d.gen_tokens, help="greedy tokens per prompt and run")
     m.add_argument("--repeats", type=int, default=d.repeats, help="stage-2 timed rounds (medians); "
                    f"below {fewest_sign_rounds()} the sign test over paired rounds (candidates of one setting) resolves no "
-                   "lead, and the best prediction picks among them")
+                   "lead, and the summary's tie rule picks among them")
     m.add_argument("--warmup", type=int, default=d.warmup, help="stage-2 untimed rounds")
     m.add_argument("--step-runs", type=int, default=d.step_runs, help="stage-1 timed steps per cost")
     m.add_argument("--accept-tokens", type=int, default=d.accept_tokens, help="stage-1 acceptance profile: greedy "

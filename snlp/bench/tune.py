@@ -742,7 +742,7 @@ def _result(model: GPT, cfg: TuneConfig, quality, acceptance, costs, cands, s1: 
     if cfg.repeats < fewest_sign_rounds() and paired:
         notes.append(f"stage 2 timed {cfg.repeats} round(s): the sign test over paired rounds resolves a lead from "
                      f"{fewest_sign_rounds()} rounds on, so {' and '.join(paired)} candidates timed in the same "
-                     f"rounds tied, and the best prediction among them picked")
+                     f"rounds tied, and the tie rule (pick_rule) picked among them")
     # options too short for what they measure: the rows would name a block their decodes never drafted
     empty = [a.plan for a in acceptance if not a.rounds]
     if empty:
