@@ -835,7 +835,10 @@ def summary(result: TuneResult) -> list[str]:
         if result.grid_best is None:
             line += "; full-grid validation: not run (--full-grid)"
         elif (b := result.grid_best[g]) is not None:
-            line += f"; best of the measured grid: `{b.plan}`" + (f" B={b.block}" if b.block else "") + \
-                f" {b.tokens_per_s:.0f} tok/s; pick / best = {result.pick_vs_best[g]:.3f}"
+            line += f"; best of the measured grid (highest median): `{b.plan}`" + (f" B={b.block}" if b.block else "") \
+                + f" {b.tokens_per_s:.0f} tok/s; pick / best = {result.pick_vs_best[g]:.3f}"
+            if b is not p:  # a ratio under 1 is a loss only where the rounds resolve the grid best's lead
+                resolved, how = _leads(b, p)
+                line += f" ({'resolved' if resolved else 'a tie'}: the grid best {how})"
         out.append(line)
     return out + result.notes

@@ -483,3 +483,22 @@ def test_settings_too_short_for_a_full_block_say_so(model, val):
     assert "B = 3 " in s2 and "B = 2 at most" in s2
     ok = tune(model, val, TuneConfig(plans=["2xF1-h0-K1"], blocks=(2, 3), threads=(1,), top=1, **FAST))
     assert not [n for n in ok.notes if n.startswith(("stage 1: --accept", "stage 2: --gen"))]
+
+
+def test_pick_over_grid_best_says_whether_the_rounds_resolve_the_grid_bests_lead(model):
+    """With --full-grid the summary printed "best of the measured grid: X; pick / best = 0.980" for a grid best whose
+    median led the pick inside the noise (3 of 6 paired rounds): a 2 % loss the rounds do not show. It now says
+    whether the paired rounds resolve that lead."""
+    from snlp.bench.tune import _result
+
+    a = _cand("6xF1-h0-K1", [1.30, 1.40, 1.36, 1.34, 1.38, 1.33], pred=1.5)  # shortlisted, predicted best
+    b = _cand("12xF1-h0-K1", [1.35, 1.37, 1.38, 1.33, 1.36, 1.36], pred=1.2)  # grid only; median 1.36 > 1.35
+    b.shortlisted = False
+    r = _result(model, TuneConfig(full_grid=True), [], [], [], [a, b], 0.0, 0.0)
+    assert r.picks["ssd"] is a and r.grid_best["ssd"] is b
+    line = summary(r)[0]
+    assert "pick / best = 0.993 (a tie: the grid best faster in 3 of 6 paired rounds)" in line, line
+    b.round_speedups = [x + 0.2 for x in a.round_speedups]  # faster in every round: resolved
+    b.measured_speedup, b.tokens_per_s = 1.55, 155.0
+    line = summary(_result(model, TuneConfig(full_grid=True), [], [], [], [a, b], 0.0, 0.0))[0]
+    assert "(resolved: the grid best faster in 6 of 6 paired rounds)" in line, line
