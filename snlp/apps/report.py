@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from snlp import __version__
-from snlp.bench.stats import SIGN_LEVEL, fewest_sign_rounds, sign_test_p, sign_test_wins, t_quantile
+from snlp.bench.stats import SIGN_LEVEL, fewest_sign_rounds, sign_test_p, sign_test_wins, t_quantile, tie_mark
 from snlp.bench.tune import PREDICTION_TIE
 from snlp.eval.metrics import implied_beta
 from snlp.runtime.fmt import fmt_delta_ppl, fmt_ppl, matches, ppl_from_ce
@@ -1096,7 +1096,8 @@ def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
              + " (Measured: the median over the rounds of each round's paired "
              "speedup over sequential greedy decoding, ± half the range of those per-round ratios: the spread within "
              "this shootout, not how far another measurement of the same drafter lands, said under the table; "
-             "output checked). `>` = the pick: the best measured where the rounds resolve its lead over every "
+             "marked (tie) where those rounds do not tell it from sequential decoding by the two-sided sign test at "
+             "5 %, as the SSD table's Measured; output checked). `>` = the pick: the best measured where the rounds resolve its lead over every "
              f"other candidate ({tune_rule_note(ssd)}), else, "
              f"among the candidates they do not separate from it, the best prediction (within {PREDICTION_TIE:.0%} of each "
              "other: the best measured; the rule under the table says "
@@ -1114,6 +1115,8 @@ def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
                          f"{_num(r['predicted_speedup'], '{:.3f}x')} | "
                          f"{_num(r['tokens_per_round'], '{:.2f}') + _round_cap(ssd[key], r) if meas else '–'} | "
                          f"{_num(r['measured_speedup'], '{:.3f}x') if meas else '–'}"
+                         # as tune's own table: a ratio its paired rounds do not tell from sequential is no gain
+                         f"{tie_mark(r.get('round_speedups')) if meas else ''}"
                          f"{' ±' + format(r['noise'], '.1%') if meas and r.get('noise') is not None else ''} | "
                          # an unmeasured candidate was never decoded: '–' as in its other measured cells (matches'
                          # n/a is a sampled run's, whose two sides draw their own tokens)

@@ -290,3 +290,17 @@ def test_end_to_end_overlaps_only_trainings_that_ran_at_the_same_time_and_a_resu
     t = tables(render_report(ctx))["Wall time per stage"]
     assert column(t, "Wall time")[-1] == f"**{_mmss(sum(ctx['stages'][n]['seconds'] for n in ctx['order']) - 60)}**"
     assert "spanned" not in render_report(ctx)
+
+
+def test_the_drafter_choice_table_marks_a_measured_speedup_its_rounds_do_not_resolve():
+    """The report's drafter-choice table printed "0.968x ±8.3%" for No Reg.'s `6xF2-h0-K1` (rounds on both sides of
+    1.0) bare, while `snlp tune`'s own table and the report's SSD table mark such a ratio "(tie)": read bare, it says
+    the drafter is slower than sequential decoding. It now carries the mark of tune's table."""
+    ctx = _report_ctx()
+    md = render_report(ctx)
+    row = next(ln for ln in md.splitlines() if ln.startswith("| No Reg. | > `12xF1-h0-K1` | 4 |"))
+    assert "| 1.300x (tie) ±5.0% |" in row, row  # 2 rounds: no sign test resolves them
+    for k in ("noreg", "idn"):
+        ctx["stages"][f"ssd-{k}"]["result"]["tune"][0]["round_speedups"] = [1.2, 1.3, 1.25, 1.28, 1.31, 1.22]
+    row = next(ln for ln in render_report(ctx).splitlines() if ln.startswith("| No Reg. | > `12xF1-h0-K1` | 4 |"))
+    assert "| 1.300x ±5.0% |" in row, row  # 6 of 6 faster: resolved, no mark
