@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+from datetime import datetime
 import os
 import platform
 import re
@@ -16,7 +17,8 @@ from pathlib import Path
 import torch
 
 from snlp import __version__
-from snlp.bench.stats import SIGN_LEVEL, fewest_sign_rounds, sign_test_p, sign_test_wins, t_quantile
+from snlp.bench.stats import SIGN_LEVEL, fewest_sign_rounds, sign_test_p, sign_test_wins, t_quantile, tie_mark
+from snlp.bench.tune import PREDICTION_TIE
 from snlp.eval.metrics import implied_beta
 from snlp.runtime.fmt import fmt_delta_ppl, fmt_ppl, matches, ppl_from_ce
 
@@ -752,11 +754,37 @@ def trained_in_lockstep(ctx: dict) -> bool:
     return bool(ctx.get("parallel")) and all(t.get("minutes") for t in trains)
 
 
+def _interval(rec: dict) -> tuple[float, float] | None:
+    """(start, end) of a stage record on the clock, from its finish time (each training's own end, `ended`) and
+    wall seconds; None where the finish time does not parse."""
+    try:
+        end = datetime.fromisoformat(str(rec["finished"])).timestamp()
+    except (KeyError, ValueError):
+        return None
+    return end - float(rec["seconds"]), end
+
+
+def trained_together(ctx: dict) -> bool:
+    """Whether the two training stages ran side by side, at the same time: a parallel run whose two training records
+    overlap on the clock. A record reused from an earlier invocation beside one trained now did not overlap it
+    (another --out's stage, or a model trained again alone), so nothing of the two is shared; without finish times
+    that parse, a parallel run's records are taken as side by side."""
+    st = ctx.get("stages") or {}
+    recs = [st.get(f"train-{k}") for k, _ in MODELS]
+    if not ctx.get("parallel") or not all(recs):
+        return False
+    spans = [_interval(r) for r in recs]
+    if not all(spans):
+        return True
+    (a0, a1), (b0, b1) = spans
+    return min(a1, b1) - max(a0, b0) > 1.0  # finish times are whole seconds
+
+
 def side_by_side_gap(ctx: dict) -> tuple[str, str, float] | None:
     """(the label of the model that finished first, the other's, seconds between them) for side-by-side training
     not in lockstep; None otherwise or when they took the same time."""
     st = ctx.get("stages") or {}
-    if not ctx.get("parallel") or trained_in_lockstep(ctx) or not all(f"train-{k}" in st for k, _ in MODELS):
+    if not trained_together(ctx) or trained_in_lockstep(ctx):
         return None
     # whole seconds, as the stage table prints each stage's time: the gap is then their difference there
     secs = {label: round(st[f"train-{k}"]["seconds"]) for k, label in MODELS}
@@ -977,7 +1005,8 @@ def _ssd_section(ctx: dict) -> list[str]:
            f"B = {ctx['select_block']} as tokens per round over B drafter steps plus one verification; the best "
            f"predictions are decoded in one round-robin after one sequential baseline (so load drift hits them "
            f"alike) and the best measured one drafts where the paired rounds resolve its lead (a sign test), else "
-           f"the best prediction among those they do not separate from it (table below). Then SSD (SNLP drafter, "
+           f"the best prediction among those they do not separate from it, or, where the predictions are within "
+           f"{PREDICTION_TIE:.0%} of each other too, the best measured (table below). Then SSD (SNLP drafter, "
            f"sequential verifier, one shared KV cache) greedy-decodes {per_model({k: r.get('gen_tokens') for k, r in used.items()})} "
            f"tokens from each of {per_model({k: r.get('prompts') for k, r in used.items()})} validation prompts of "
            f"{pre.eval_prompt_len} tokens at B = {', '.join(map(str, ctx['blocks']))} (B: the tokens the drafter "
@@ -1067,9 +1096,11 @@ def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
              + " (Measured: the median over the rounds of each round's paired "
              "speedup over sequential greedy decoding, ± half the range of those per-round ratios: the spread within "
              "this shootout, not how far another measurement of the same drafter lands, said under the table; "
-             "output checked). `>` = the pick: the best measured where the rounds resolve its lead over every "
+             "marked (tie) where those rounds do not tell it from sequential decoding by the two-sided sign test at "
+             "5 %, as the SSD table's Measured; output checked). `>` = the pick: the best measured where the rounds resolve its lead over every "
              f"other candidate ({tune_rule_note(ssd)}), else, "
-             "among the candidates they do not separate from it, the best prediction (the rule under the table says "
+             f"among the candidates they do not separate from it, the best prediction (within {PREDICTION_TIE:.0%} of each "
+             "other: the best measured; the rule under the table says "
              "which, with each lead's split of rounds); unmeasured "
              "rows are the next best predictions."),
              "| Model | Plan | B | Top-1 | Calib α | s | Paper ideal | Pred. tok/rnd | Predicted | Meas. tok/rnd | "
@@ -1084,6 +1115,8 @@ def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
                          f"{_num(r['predicted_speedup'], '{:.3f}x')} | "
                          f"{_num(r['tokens_per_round'], '{:.2f}') + _round_cap(ssd[key], r) if meas else '–'} | "
                          f"{_num(r['measured_speedup'], '{:.3f}x') if meas else '–'}"
+                         # as tune's own table: a ratio its paired rounds do not tell from sequential is no gain
+                         f"{tie_mark(r.get('round_speedups')) if meas else ''}"
                          f"{' ±' + format(r['noise'], '.1%') if meas and r.get('noise') is not None else ''} | "
                          # an unmeasured candidate was never decoded: '–' as in its other measured cells (matches'
                          # n/a is a sampled run's, whose two sides draw their own tokens)
@@ -1203,10 +1236,20 @@ def _stage_times(ctx: dict) -> list[str]:
                    + (f"{r.get('shrunk') or '–'} | " if shrink else "") + f"{r.get('load_start')} → {r.get('load_end')}"
                    + (f" (sampled at {gap[1]}'s end, {fmt_s(gap[2])} after its own)" if late else "") + " |")
     tr = [st[f"train-{k}"]["seconds"] for k, _ in MODELS]
-    total = sum(st[n]["seconds"] for n in ctx["order"]) - (min(tr) if ctx["parallel"] else 0)
+    together = trained_together(ctx)  # a training reused beside one trained alone shares no time with it
+    total = sum(st[n]["seconds"] for n in ctx["order"]) - (min(tr) if together else 0)
+    # a training resumed from an earlier invocation's save: its Wall time is this leg's, the training table's Train
+    # time (the run's own elapsed, saved with it) spans every leg
+    legs = [f"{labels[k]} resumed at step {r['resumed_from_step']}" for k, _ in MODELS
+            if isinstance(r := (st[f"train-{k}"].get("result") or {}), dict) and r.get("resumed_from_step")]
     return out + [f"| **end to end** | | | **{fmt_s(total)}** | " + ("| " if shrink else "") + "|",
                   "\nEnd to end = the sum of the stages" + (" with the two training stages overlapping (they ran "
-                                                            "side by side)" if ctx["parallel"] else "")
+                                                            "side by side)" if together else
+                                                            ", the two training stages one after the other (they did "
+                                                            "not run at the same time)" if ctx["parallel"] else "")
+                  + (f". Training spanned two or more invocations ({', '.join(legs)} from an earlier invocation's "
+                     f"save): a training stage's Wall time here and End to end count the last leg only; the "
+                     f"training table's Train time counts every leg" if legs else "")
                   + f". This invocation took {fmt_s(ctx['wall'])} ({len(ctx['ran'])} stage{'s' if len(ctx['ran']) != 1 else ''} ran, "
                   f"{len(ctx['reused'])} reused), from the start of its Python process (imports included; the "
                   f"install is not counted)" + _budget_line(ctx) + ".\n", *budget_verdict(ctx)]

@@ -8,7 +8,8 @@ its SSD acceptance profile (a short greedy speculative decode at the largest B),
 this device (cached single-token steps, the verifier over B+1 positions), predicting each (plan, B); stage 2 decodes
 the --top best-predicted plans (SSD: each at its 2 best blocks) end to end in ONE round-robin after one sequential baseline per setting, after a warm-up
 (medians), and picks the best MEASURED where the paired rounds resolve its lead (a two-sided sign test; else the best
-stage-1 prediction among the candidates they do not separate from it: snlp.bench.tune.pick, and the summary says which rule made the pick).
+stage-1 prediction among the candidates they do not separate from it, or the best measured where those
+predictions are within 2 % of each other too: snlp.bench.tune.pick, and the summary says which rule made the pick).
 Prints the measured table (predicted vs measured) and the pick; --json writes every record. --full-grid measures every candidate and reports the pick against the grid's best
 (without it that validation is not run: the JSON records grid_best and pick_vs_best as null).
 
@@ -74,7 +75,7 @@ def add_arguments(p) -> None:
     m.add_argument("--gen-tokens", type=int, default=d.gen_tokens, help="greedy tokens per prompt and run")
     m.add_argument("--repeats", type=int, default=d.repeats, help="stage-2 timed rounds (medians); "
                    f"below {fewest_sign_rounds()} the sign test over paired rounds (candidates of one setting) resolves no "
-                   "lead, and the best prediction picks among them")
+                   "lead, and the summary's tie rule picks among them")
     m.add_argument("--warmup", type=int, default=d.warmup, help="stage-2 untimed rounds")
     m.add_argument("--step-runs", type=int, default=d.step_runs, help="stage-1 timed steps per cost")
     m.add_argument("--accept-tokens", type=int, default=d.accept_tokens, help="stage-1 acceptance profile: greedy "

@@ -26,8 +26,9 @@ Two stages:
         candidate where the shootout's paired rounds resolve its lead (`pick`: the main table's two-sided sign test;
         half the range of the per-round ratios where two were not timed in the same rounds); the candidates it
         does not resolve tie, and the tie goes to the highest stage-1
-        prediction among them (an independent measurement: the acceptance profile and the step timings), then to
-        the plan's name, and the result says so (`pick_rule`). Non-finite measurements are excluded with a note.
+        prediction among them (an independent measurement: the acceptance profile and the step timings) where it
+        is more than PREDICTION_TIE (2 %) clear of the others' (closer predictions tie too, and the highest measured
+        median among them picks), then to the plan's name, and the result says so (`pick_rule`). Non-finite measurements are excluded with a note.
 Measured tokens/s = the side-by-side speedup over sequential x the setting's median sequential tokens/s, so load
 drift between the per-plan runs cancels (raw tokens/s are kept too). `full_grid` measures every candidate and
 reports how far the pick is from the best of the grid (the validation of the shortlist); without it that
@@ -64,6 +65,10 @@ from snlp.runtime.fmt import DELTA_RATIO, fmt_delta_ppl
 from snlp.runtime.timing import round_order, time_round_robin
 
 GOALS = ("ssd", "snlp")
+# stage-1 predictions closer than this (relative, predicted tokens/s) do not separate two candidates: each is a ratio
+# of step-time medians whose CPU time moves by a few % run to run (measure_costs), so a 0.02 % difference (1.47026x
+# vs 1.47000x, both printed 1.470x) is noise, and the measured median decides between them instead (`pick`)
+PREDICTION_TIE = 0.02
 
 
 def default_plans(n_layer: int, device=None) -> list[str]:
@@ -582,7 +587,10 @@ def pick(cands: list[Candidate]) -> tuple[Candidate | None, str]:
     paired rounds (the main table's rule for its Pareto front), or, for candidates not timed in the same rounds,
     a lead beyond the larger noise of the two (half the range of their per-round ratios). The candidates it does
     not resolve tie with it, and among the tied the highest stage-1 prediction (predicted tokens/s: the acceptance
-    profile and step timings, measured apart from the shootout) wins, then the plan's name, then the block.
+    profile and step timings, measured apart from the shootout) wins where it leads the others by more than
+    PREDICTION_TIE; predictions within that tie too, and among them the highest measured median wins, then the
+    plan's name, then the block. SNLP candidates: a tied one another tied one dominates by the table's medians
+    (lower dPPL, as fast or faster: off its `P` front) is out of the tie first.
     Ineligible candidates (not exact, over the dPPL budget, non-finite measurements) never count."""
     ok = _eligible(cands)
     if not ok:
@@ -622,7 +630,22 @@ def pick(cands: list[Candidate]) -> tuple[Candidate | None, str]:
                       f"{best.tokens_per_s / nxt.tokens_per_s - 1:+.1%} over the next ({_name(nxt)}), "
                       f"{verdict[id(nxt)][1]}, which the rounds resolve ({rule})"
                       + (f"; not told from it but beaten by another: {', '.join(others)}" if others else ""))
-    chosen = sorted(tied, key=lambda c: (-c.predicted_tokens_per_s, c.plan, c.block or 0))[0]
+    # SNLP trades quality for speed: of candidates tied on speed, one another tied candidate beats on both axes by
+    # the table's medians (lower dPPL, as fast or faster: off the `P` front the table prints) is out, so the pick is
+    # never a plan the table shows dominated by one it could not tell apart in speed
+    pool, out = tied, ""
+    if all(c.goal == "snlp" for c in tied):
+        front = _pareto(tied)
+        if len(front) < len(tied):
+            pool = [c for c in tied if id(c) in front]
+            out = ("; off the tied candidates' Pareto front (another as fast by median with a lower dPPL), so out: "
+                   + ", ".join(f"{_name(c)} (dPPL {dppl_cell(c.delta_ppl)})" for c in tied if id(c) not in front))
+    # the highest prediction breaks the tie only where it is clear of the others by more than PREDICTION_TIE; the
+    # predictions within it tie too, and the highest measured median among them (the table's order) picks
+    top_pred = max(c.predicted_tokens_per_s for c in pool)
+    close = sorted((c for c in pool if c.predicted_tokens_per_s >= (1 - PREDICTION_TIE) * top_pred),
+                   key=lambda c: (-c.tokens_per_s, c.plan, c.block or 0))
+    chosen = close[0]
     what = ", ".join(f"{_name(c)} {c.measured_speedup:.3f}x" + ("" if c.noise is None else f" ±{c.noise:.1%}")
                      for c in sorted(tied, key=lambda c: -c.tokens_per_s))
     # leads that cycle (every candidate beaten by another): best has the highest median only, and a tied candidate
@@ -639,8 +662,19 @@ def pick(cands: list[Candidate]) -> tuple[Candidate | None, str]:
     said = (f"the best measured ({_name(best)}) leads {leads}, which the rounds do not resolve" if leads else
             f"the highest median is {_name(best)}'s")
     said += "".join(f"; {_name(c)} beats it ({_leads(c, best)[1]}), which the rounds resolve" for c in over)
-    return chosen, (f"tie: {what}; {cycle}{said} ({rule}); the tie goes to the highest stage-1 prediction: "
-                    f"{_name(chosen)} (predicted {chosen.predicted_speedup:.3f}x)")
+    rule += ")" + out  # the rule's parenthesis closes before the candidates the front leaves out
+    if len(pool) == 1:
+        return chosen, f"tie: {what}; {cycle}{said} ({rule}; the tie goes to the one left: {_name(chosen)}"
+    if len(close) == 1:
+        far = sorted((c for c in pool if c is not chosen), key=lambda c: -c.predicted_tokens_per_s)
+        then = f"; the next, {_name(far[0])}, {far[0].predicted_speedup:.3f}x" if far else ""
+        return chosen, (f"tie: {what}; {cycle}{said} ({rule}; the tie goes to the highest stage-1 prediction: "
+                        f"{_name(chosen)} (predicted {chosen.predicted_speedup:.3f}x{then})")
+    preds = ", ".join(f"{_name(c)} {c.predicted_speedup:.3f}x" for c in
+                      sorted(close, key=lambda c: -c.predicted_tokens_per_s))
+    return chosen, (f"tie: {what}; {cycle}{said} ({rule}; the tie goes to the highest stage-1 prediction, but the "
+                    f"predictions tie too ({preds}: within {PREDICTION_TIE:.0%} of each other, inside the step "
+                    f"timings' run-to-run noise), so to the highest measured median among them: {_name(chosen)}")
 
 
 def tune(model: GPT, val_tokens, cfg: TuneConfig = TuneConfig(), quality: dict[str, PlanQuality] | None = None,
@@ -708,7 +742,7 @@ def _result(model: GPT, cfg: TuneConfig, quality, acceptance, costs, cands, s1: 
     if cfg.repeats < fewest_sign_rounds() and paired:
         notes.append(f"stage 2 timed {cfg.repeats} round(s): the sign test over paired rounds resolves a lead from "
                      f"{fewest_sign_rounds()} rounds on, so {' and '.join(paired)} candidates timed in the same "
-                     f"rounds tied, and the best prediction among them picked")
+                     f"rounds tied, and the tie rule (pick_rule) picked among them")
     # options too short for what they measure: the rows would name a block their decodes never drafted
     empty = [a.plan for a in acceptance if not a.rounds]
     if empty:
@@ -801,7 +835,10 @@ def summary(result: TuneResult) -> list[str]:
         if result.grid_best is None:
             line += "; full-grid validation: not run (--full-grid)"
         elif (b := result.grid_best[g]) is not None:
-            line += f"; best of the measured grid: `{b.plan}`" + (f" B={b.block}" if b.block else "") + \
-                f" {b.tokens_per_s:.0f} tok/s; pick / best = {result.pick_vs_best[g]:.3f}"
+            line += f"; best of the measured grid (highest median): `{b.plan}`" + (f" B={b.block}" if b.block else "") \
+                + f" {b.tokens_per_s:.0f} tok/s; pick / best = {result.pick_vs_best[g]:.3f}"
+            if b is not p:  # a ratio under 1 is a loss only where the rounds resolve the grid best's lead
+                resolved, how = _leads(b, p)
+                line += f" ({'resolved' if resolved else 'a tie'}: the grid best {how})"
         out.append(line)
     return out + result.notes

@@ -82,7 +82,7 @@ def test_ctrl_c_in_the_speedrun_says_how_to_continue(tmp_path, capsys, monkeypat
     assert main(["speedrun", "--out", str(tmp_path / "sr"), "--quick"]) == 130
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["snlp speedrun: interrupted; run the same command again to continue: finished stages are reused "
-                   "and training resumes from the step it stopped at"]
+                   "and a training saved part-way resumes from its save"]
     assert main(["speedrun", "--out", str(tmp_path / "sr"), "--quick", "--force"]) == 130
     err = capsys.readouterr().err  # the same command would redo every stage: the hint says to drop --force
     assert "run the same command without --force again to continue" in err
@@ -240,7 +240,7 @@ def test_sigterm_to_the_speedrun_unwinds_it_like_ctrl_c_and_exits_143(tmp_path, 
     assert main(["speedrun", "--out", str(tmp_path / "sr"), "--quick"]) == 143
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["snlp speedrun: interrupted by SIGTERM; run the same command again to continue: finished stages "
-                   "are reused and training resumes from the step it stopped at"]
+                   "are reused and a training saved part-way resumes from its save"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 

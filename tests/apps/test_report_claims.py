@@ -264,3 +264,43 @@ def test_the_diagnostics_legend_does_not_read_amplification_as_smaller_is_better
     md = render_report(_report_ctx())
     legend = md.split("## SNLP diagnostics\n", 1)[1].lstrip("\n").split("\n", 1)[0]
     assert "smaller is closer" in legend and "amp." in legend and "is 1" in legend, legend
+
+
+def test_end_to_end_overlaps_only_trainings_that_ran_at_the_same_time_and_a_resumed_leg_is_said():
+    """"End to end" subtracted the shorter training stage whenever the run was parallel, also when No Reg.'s training
+    was reused from an earlier invocation and only IDN Reg. trained now (nothing overlapped); and a training resumed
+    from an earlier invocation's save was never said to span two invocations (its stage Wall time is the last leg's,
+    the training table's Train time every leg's). The overlap is now read from the records' clock spans, and the
+    resumed leg is named under the stage table."""
+    ctx = _report_ctx()
+    st = ctx["stages"]
+    st["train-noreg"] = dict(st["train-noreg"], seconds=500.0, finished="2026-11-25T10:00:00")  # an earlier invocation
+    st["train-idn"] = dict(st["train-idn"], result={**st["train-idn"]["result"], "resumed_from_step": 37})
+    ctx.update(ran=[n for n in ctx["order"] if n != "train-noreg"], reused=["train-noreg"])
+    md = render_report(ctx)
+    t = tables(md)["Wall time per stage"]
+    total = sum(st[n]["seconds"] for n in ctx["order"])  # nothing overlapped: the plain sum
+    assert column(t, "Wall time")[-1] == f"**{_mmss(total)}**", column(t, "Wall time")
+    tail = _section(md, "**end to end**", "\n## ")
+    assert "overlapping" not in tail and "one after the other" in tail
+    assert ("Training spanned two or more invocations (IDN Reg. resumed at step 37 from an earlier invocation's "
+            "save)") in tail
+    # both side by side in one invocation (the fixture as it is): the shorter one overlaps, nothing resumed
+    ctx = _report_ctx()
+    t = tables(render_report(ctx))["Wall time per stage"]
+    assert column(t, "Wall time")[-1] == f"**{_mmss(sum(ctx['stages'][n]['seconds'] for n in ctx['order']) - 60)}**"
+    assert "spanned" not in render_report(ctx)
+
+
+def test_the_drafter_choice_table_marks_a_measured_speedup_its_rounds_do_not_resolve():
+    """The report's drafter-choice table printed "0.968x ±8.3%" for No Reg.'s `6xF2-h0-K1` (rounds on both sides of
+    1.0) bare, while `snlp tune`'s own table and the report's SSD table mark such a ratio "(tie)": read bare, it says
+    the drafter is slower than sequential decoding. It now carries the mark of tune's table."""
+    ctx = _report_ctx()
+    md = render_report(ctx)
+    row = next(ln for ln in md.splitlines() if ln.startswith("| No Reg. | > `12xF1-h0-K1` | 4 |"))
+    assert "| 1.300x (tie) ±5.0% |" in row, row  # 2 rounds: no sign test resolves them
+    for k in ("noreg", "idn"):
+        ctx["stages"][f"ssd-{k}"]["result"]["tune"][0]["round_speedups"] = [1.2, 1.3, 1.25, 1.28, 1.31, 1.22]
+    row = next(ln for ln in render_report(ctx).splitlines() if ln.startswith("| No Reg. | > `12xF1-h0-K1` | 4 |"))
+    assert "| 1.300x ±5.0% |" in row, row  # 6 of 6 faster: resolved, no mark

@@ -373,8 +373,9 @@ def test_interrupted_training_resumes(tmp_path, capsys):
     write_json(job.partial, job.settings)  # what a speedrun writes before it starts a run
     assert fit(dataclasses.replace(job.cfg, stop_after=3)).steps == 3  # "killed" after its step-3 save
     capsys.readouterr()
-    walls = train_models([job], console, threads=1)
-    assert "resuming" in capsys.readouterr().out
+    resumed: dict = {}  # the step the leg resumed from (the report says training spanned two invocations)
+    walls = train_models([job], console, threads=1, resumed=resumed)
+    assert "resuming" in capsys.readouterr().out and resumed == {"m": 3}
     res = train_summary(job, tok["fingerprint"], walls["m"])
     assert res["steps"] == 6 and res["tokens"] == 6 * 4 * 32 and not job.partial.exists()
     assert [r[0] for r in res["val_curve"]] == [0, 3, 6]  # one log across the interruption
@@ -382,8 +383,9 @@ def test_interrupted_training_resumes(tmp_path, capsys):
     assert "resume=True" in headers[-1]  # the resumed leg's header says so (it printed the first leg's resume=False)
     # a run made with other settings is thrown away, not resumed
     write_json(job.partial, {"other": "settings"})
-    train_models([job], console, threads=1)
-    assert "resuming" not in capsys.readouterr().out
+    resumed = {}
+    train_models([job], console, threads=1, resumed=resumed)
+    assert "resuming" not in capsys.readouterr().out and resumed == {}
     assert [r[0] for r in train_summary(job, tok["fingerprint"], 0.0)["val_curve"]] == [0, 6]
 
 
@@ -600,6 +602,44 @@ def test_the_interrupt_hint_of_a_forced_run_says_how_to_continue():
     args.speedrun.retraining = True
     assert interrupt_hint(args).startswith("run the same command without --force again")
     assert interrupt_hint(argparse.Namespace(force=False)).startswith("run the same command again")
+
+
+def test_the_interrupt_hint_says_what_a_rerun_does_with_training_from_what_is_on_disk(tmp_path):
+    """"training resumes from the step it stopped at" was printed also when the signal landed before anything was
+    saved (the re-run trains from step 0). The hint now reads OUT after the stop: a model with a resumable save of
+    these settings resumes from the step saved, one without trains again from step 0, a finished one is reused."""
+    import argparse
+    import dataclasses
+
+    from snlp.apps.speedrun import add_arguments, interrupt_hint
+    from snlp.apps.speedrun.job import setup
+    from snlp.apps.speedrun.records import canon
+    from snlp.apps.speedrun.train import _train_settings
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--out", str(tmp_path / "sr"), *TINY])
+    sr = args.speedrun = setup(args)
+    sr.stages.begin("tokenizer", "test")
+    sr.tokenizer = sr.stages.finish("tokenizer", dataclasses.asdict(sr.cfg.data_spec), {}, seconds=1.0)
+    sr.retraining = True  # both trainings were launched, and the signal came before either saved
+    for key in ("noreg", "idn"):
+        (sr.out / "stages" / f"train-{key}.partial.json").write_text(
+            json.dumps(canon(_train_settings(sr, key, key == "idn", sr.tokenizer.id)[1])))
+    hint = interrupt_hint(args)
+    assert "resumes from the step it stopped at" not in hint, hint
+    assert hint == ("run the same command again to continue: finished stages are reused; No Reg. trains again from "
+                    "step 0 (nothing of it was saved); IDN Reg. trains again from step 0 (nothing of it was saved)")
+    (sr.out / "idn").mkdir(parents=True)  # IDN Reg. saved at step 37 (weights, train state)
+    (sr.out / "idn" / "model.safetensors").write_bytes(b"weights")
+    torch.save({"step": 37}, sr.out / "idn" / "train_state.pt")
+    assert interrupt_hint(args).endswith("No Reg. trains again from step 0 (nothing of it was saved); IDN Reg. "
+                                         "resumes from step 37")
+    sr.trains["noreg"] = object()  # finished: reused, nothing to say about it
+    assert interrupt_hint(args).endswith("finished stages are reused; IDN Reg. resumes from step 37")
+    args.speedrun = None  # stopped before the invocation was set up: what OUT holds is not read
+    assert interrupt_hint(args).endswith("finished stages are reused and a training saved part-way resumes from "
+                                         "its save")
 
 
 def test_budget_args_and_shrinking():

@@ -269,15 +269,59 @@ def test_pick_rule_within_noise_goes_to_the_prediction(model):
     """Candidates the rounds do not resolve from the best tie with it and the highest stage-1 prediction among them
     wins; one the rounds resolve never does, whatever its prediction; equal predictions go to the plan's name."""
     a = _cand("6xF2-h0-K1", [1.40, 1.55, 1.60, 1.50, 1.58, 1.45], pred=1.40)
-    b = _cand("1xF12-h0-K1", [1.45, 1.51, 1.60, 1.52, 1.50, 1.44], pred=1.41)  # 3 wins, 3 losses
+    b = _cand("1xF12-h0-K1", [1.45, 1.51, 1.60, 1.52, 1.50, 1.44], pred=1.45)  # 3 wins, 3 losses; 3.6 % over a's
     c = _cand("12xF1-h0-K1", [1.30, 1.37, 1.42, 1.35, 1.36, 1.31], pred=1.90)  # loses every round to a
     got, rule, _ = _picked(model, [a, b, c])
     assert got is b and rule.startswith("tie") and "12xF1" not in rule and "1xF12-h0-K1" in rule
-    twin = _cand("0xTwin", [1.45, 1.51, 1.60, 1.52, 1.50, 1.44], pred=1.41)  # the same prediction as b
+    twin = _cand("0xTwin", [1.45, 1.51, 1.60, 1.52, 1.50, 1.44], pred=1.45)  # the same prediction as b
     assert _picked(model, [a, b, twin])[0] is twin
     single = [_cand("A", [1.6], pred=1.0), _cand("B", [1.5], pred=1.1)]  # one round: all tie
     got, rule, _ = _picked(model, single)
     assert got.plan == "B" and "one timed round" in rule
+
+
+def test_predictions_closer_than_their_noise_tie_too_and_the_measured_median_picks(model):
+    """The --quick run's IDN Reg. pick went to 3xF2-h0-K1 "(predicted 1.470x)" over 6xF1-h0-K1, also printed 1.470x:
+    stage-1 predictions 1.47026 vs 1.47000, 0.02 % apart (far inside the step timings' run-to-run noise), decided a
+    tie the measured rounds did not resolve. Predictions within PREDICTION_TIE tie too, the highest measured median
+    among them picks, and the rule says both ties; a prediction clear of the others by more still picks."""
+    from snlp.bench.tune import PREDICTION_TIE
+
+    a = _cand("6xF1-h0-K1", [1.27, 1.30, 1.26, 1.29, 1.25, 1.31], pred=1.47000)  # median 1.28
+    b = _cand("3xF2-h0-K1", [1.28, 1.26, 1.27, 1.25, 1.29, 1.24], pred=1.47026)  # median 1.265; a faster in 3 of 6 rounds
+    got, rule, _ = _picked(model, [b, a])
+    assert got is a, rule
+    assert rule.startswith("tie") and "predictions tie too" in rule and "highest measured median" in rule
+    assert "3xF2-h0-K1 B=4 1.470x, 6xF1-h0-K1 B=4 1.470x" in rule and f"within {PREDICTION_TIE:.0%}" in rule
+    b.predicted_tokens_per_s = a.predicted_tokens_per_s * (1 + 2 * PREDICTION_TIE)  # clearly higher: it picks
+    got, rule, _ = _picked(model, [b, a])
+    assert got is b and "predictions tie too" not in rule and "the next, 6xF1-h0-K1 B=4" in rule
+
+
+def test_an_snlp_pick_is_never_one_a_tied_candidate_dominates(model):
+    """A tiny fp64 run's SNLP goal: `4xF1-h0-K1` (dPPL +15.46 %, 1.351x) and `2xF2-h0-K1` (+22.04 %, 1.324x) tied on
+    speed (4 of 6 paired rounds), and the tie went to 2xF2's stage-1 prediction (1.448x vs 1.41x): the pick was the
+    plan with the worse quality and the lower median, a row the table itself prints off the `P` front. Of SNLP
+    candidates tied on speed, one another tied one dominates (lower dPPL, as fast by median) is out first; the SSD
+    goal (one quality) is unchanged."""
+    from snlp.bench.tune import _result
+
+    def snlp(plan, rounds, pred, dppl):
+        c = _cand(plan, rounds, pred=pred)
+        c.goal, c.block, c.delta_ppl = "snlp", None, dppl
+        return c
+
+    a = snlp("4xF1-h0-K1", [1.30, 1.40, 1.36, 1.34, 1.38, 1.33], pred=1.41, dppl=0.1546)  # median 1.35
+    b = snlp("2xF2-h0-K1", [1.31, 1.35, 1.30, 1.36, 1.33, 1.31], pred=1.448, dppl=0.2204)  # median 1.32; a 4 of 6
+    r = _result(model, TuneConfig(ssd=False, max_dppl=0.5), [], [], [], [b, a], 0.0, 0.0)
+    got, rule = r.picks["snlp"], r.pick_rule["snlp"]
+    assert got is a, rule
+    assert rule.startswith("tie") and "so out: 2xF2-h0-K1 (dPPL +22.04%)" in rule and "the one left: 4xF1-h0-K1" in rule
+    front = [ln for ln in table(r, "snlp") if "P" in ln.split("|")[1]]
+    assert len(front) == 1 and "> " in front[0] and "4xF1-h0-K1" in front[0]  # the pick is the table's front row
+    b.delta_ppl = 0.10  # now neither dominates: the prediction decides, as for SSD
+    r = _result(model, TuneConfig(ssd=False, max_dppl=0.5), [], [], [], [b, a], 0.0, 0.0)
+    assert r.picks["snlp"] is b and "so out" not in r.pick_rule["snlp"]
 
 
 def test_pick_rule_excludes_non_finite_and_inexact_measurements(model):
@@ -439,3 +483,22 @@ def test_settings_too_short_for_a_full_block_say_so(model, val):
     assert "B = 3 " in s2 and "B = 2 at most" in s2
     ok = tune(model, val, TuneConfig(plans=["2xF1-h0-K1"], blocks=(2, 3), threads=(1,), top=1, **FAST))
     assert not [n for n in ok.notes if n.startswith(("stage 1: --accept", "stage 2: --gen"))]
+
+
+def test_pick_over_grid_best_says_whether_the_rounds_resolve_the_grid_bests_lead(model):
+    """With --full-grid the summary printed "best of the measured grid: X; pick / best = 0.980" for a grid best whose
+    median led the pick inside the noise (3 of 6 paired rounds): a 2 % loss the rounds do not show. It now says
+    whether the paired rounds resolve that lead."""
+    from snlp.bench.tune import _result
+
+    a = _cand("6xF1-h0-K1", [1.30, 1.40, 1.36, 1.34, 1.38, 1.33], pred=1.5)  # shortlisted, predicted best
+    b = _cand("12xF1-h0-K1", [1.35, 1.37, 1.38, 1.33, 1.36, 1.36], pred=1.2)  # grid only; median 1.36 > 1.35
+    b.shortlisted = False
+    r = _result(model, TuneConfig(full_grid=True), [], [], [], [a, b], 0.0, 0.0)
+    assert r.picks["ssd"] is a and r.grid_best["ssd"] is b
+    line = summary(r)[0]
+    assert "pick / best = 0.993 (a tie: the grid best faster in 3 of 6 paired rounds)" in line, line
+    b.round_speedups = [x + 0.2 for x in a.round_speedups]  # faster in every round: resolved
+    b.measured_speedup, b.tokens_per_s = 1.55, 155.0
+    line = summary(_result(model, TuneConfig(full_grid=True), [], [], [], [a, b], 0.0, 0.0))[0]
+    assert "(resolved: the grid best faster in 6 of 6 paired rounds)" in line, line

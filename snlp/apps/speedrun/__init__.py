@@ -2,7 +2,7 @@
 plan grid, early exit, self-speculative decoding) -> OUT/report.md + OUT/frontier.png.
 
     snlp speedrun --out runs/speedrun          # default: depth 16, a 20-minute budget end to end (--budget)
-    snlp speedrun --out /tmp/sr --quick        # tiny settings, under a minute (smoke test / CI)
+    snlp speedrun --out /tmp/sr --quick        # tiny settings (smoke test / CI): 35 s on 2 idle cores, 1:40 at load 4-6
 
 The budget (snlp.bench.budget): before training, the box is measured (a few training steps, one evaluation
 window, one decode round of a fresh model of the run's shape: seconds), each later stage's wall time is
@@ -39,7 +39,8 @@ with (and those of the stages it depends on) and snlp's source are unchanged; --
                  short greedy speculative decode) and its decode steps timed once on this machine predict each
                  plan; the 3 best predictions are decoded in one round-robin after one sequential baseline
                  and the best MEASURED one drafts where the paired rounds resolve its lead (a sign test), else
-                 the best stage-1 prediction among the rest (snlp.bench.tune.pick); the proxy rule
+                 the best stage-1 prediction among the rest, the best measured where those are within 2 %
+                 of each other (snlp.bench.tune.pick); the proxy rule
                  (`select_drafter`: the paper's ideal SSD speedup at B = 4 from Top-1 and the eval's decode
                  speedup) is recorded next to it. Measured alpha, tokens/round, s (per-step times of both sides)
                  and end-to-end speedup vs sequential greedy decoding (the median over 6 timed rounds of each
@@ -47,7 +48,8 @@ with (and those of the stages it depends on) and snlp's source are unchanged; --
                  (decode.speculative.speculative_benchmark), and a check that the
                  output equals sequential.
   report         OUT/report.md, OUT/frontier.png, OUT/records.csv, OUT/summary.json (always rewritten)
-Interrupted training (Ctrl-C, SIGTERM, SIGHUP, SIGUSR1/2) saves at the step it stopped at and resumes from there.
+Interrupted training (Ctrl-C, SIGTERM, SIGHUP, SIGUSR1/2) saves at the step it stopped at and resumes from there;
+stopped before its first save it trains again from step 0 (the interrupt message says which, from OUT).
 
 One module per stage (tokenizer, train, evaluate, early_exit, off_the_shelf, diagnostics, ssd, final), each with
 its cost model and shrink rule beside it; the invocation (flags, settings, budget plan) in job, stage records in
@@ -67,11 +69,12 @@ measurement; writes OUT/report.md, OUT/frontier.png, OUT/records.csv and OUT/sum
 wall-clock budget (--budget): the box is measured first and each stage gets its share.
 
 Each stage is saved in OUT and reused by a re-run with the same settings and snlp source (--force redoes
-them); training stopped by Ctrl-C or SIGTERM saves where it stopped, and a re-run resumes it there.
+them); training stopped by Ctrl-C or SIGTERM saves where it stopped, and a re-run resumes it there (stopped before
+its first save, it starts over: the message on exit says which).
 
   snlp speedrun --out runs/speedrun          # depth 16, a 20-minute budget end to end
   snlp speedrun --out runs/sr --budget 30    # another budget, in minutes
-  snlp speedrun --out /tmp/sr --quick        # tiny settings: a smoke test in about a minute
+  snlp speedrun --out /tmp/sr --quick        # a smoke test: 35 s on 2 idle cores, 1:40 at load 4-6
 """
 GUIDE = "docs/speedrun.md"
 # --out is locked while the run goes (snlp.apps.cli.output_locks): a second speedrun into it deleted and resumed the
@@ -90,8 +93,18 @@ def interrupt_hint(args) -> str:
     if getattr(args, "force", False) and sr is not None and not sr.retraining:
         return ("run the same command (with --force) again: it stopped before training, and the models in --out are "
                 "still the earlier run's, which a run without --force would refuse to retrain")
-    return (f"run the same command{' without --force' if getattr(args, 'force', False) else ''} again to continue: "
-            f"finished stages are reused and training resumes from the step it stopped at")
+    # what the re-run does with training, read from OUT: a signal before the first save leaves nothing to resume
+    plans = None
+    if sr is not None and hasattr(sr, "trains"):
+        from snlp.apps.speedrun.train import rerun_training
+
+        try:
+            plans = rerun_training(sr)
+        except (OSError, ValueError):  # an unreadable save: the re-run says why; the hint stays conditional
+            plans = None
+    said = ("finished stages are reused and a training saved part-way resumes from its save" if plans is None else
+            "finished stages are reused" + "".join(f"; {p}" for p in plans))
+    return f"run the same command{' without --force' if getattr(args, 'force', False) else ''} again to continue: {said}"
 
 
 def run(args) -> int:

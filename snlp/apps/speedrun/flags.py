@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import argparse
 
+# --quick's wall time as measured, the one statement of it (help, docstring, guides): the fresh run of the 2026-11-28
+# record at load 0-0.6, and the 2026-11-27 run it quotes at load 4-6
+QUICK_WALL = "35 s on 2 idle cores, 1:40 at load 4-6"
+QUICK_RECORD = "docs/records/2026-11-28-first-hour.md"
+
 
 def add_arguments(p) -> None:
     p.add_argument("--out", required=True, help="output folder: checkpoints, stage records, report.md, frontier.png")
     p.add_argument("--quick", action="store_true", help="tiny settings (depth 8, width 64, 1M characters, "
-                   "120 training steps): a smoke test in under a minute on 2 idle cores")
+                   f"120 training steps): a smoke test, {QUICK_WALL} ({QUICK_RECORD})")
     p.add_argument("--depth", type=int, default=None, help="model depth L (default 16, --quick 8); plans use N = 3L/4, as the paper")
     p.add_argument("--budget", type=float, default=None, help="wall-clock budget of the whole run in minutes "
                    "(default 20; not with --quick, --minutes or --steps unless given): every stage gets its share, "

@@ -47,7 +47,7 @@ def tune_drafter(model, val: torch.Tensor, eval_records: list, preset: Preset, s
     stage 2 decodes the preset.tune_top best predictions in ONE round-robin after one sequential baseline
     (snlp.decode.speculative.speculative_shootout), preset.tune_repeats rounds, and the best MEASURED one is the pick
     where the paired rounds resolve its lead (snlp.bench.tune.pick: else the best stage-1 prediction among those
-    they do not separate from it). One block, not the best
+    they do not separate from it, the best measured where those predictions are within 2 % of each other). One block, not the best
     of B = 2, 4, 8: the stage-2 budget then buys more prompts and rounds for the choice the report headlines
     (a pick made at B = 8, or on one prompt and one round, drafted the B = 4 row with a slower plan)."""
     from snlp.bench.tune import TuneConfig, quality_from_records, tune

@@ -225,12 +225,44 @@ def _train_child(cfg: TrainConfig, threads: int, log: str, stop_file: Path | Non
             os._exit(128 + signal_number(res.signal))
 
 
+def resumable(model_dir: Path, partial: Path, settings: dict) -> bool:
+    """Whether model_dir holds an interrupted training that a run of `settings` resumes (_launch): its weights and
+    train state, and the marker that it was started with these settings."""
+    return ((model_dir / "model.safetensors").is_file() and (model_dir / "train_state.pt").is_file()
+            and read_json(partial) == canon(settings))
+
+
+def rerun_training(sr: Speedrun) -> list[str] | None:
+    """What a re-run of this invocation's command does with each training it has not finished, read from OUT after
+    the stop (the training processes have saved or died by then): "<model> resumes from step N" where a resumable
+    save of these settings is there, else "<model> trains again from step 0" (a signal before the first save: the
+    re-run starts over). [] when no training is pending; None when the tokenizer stage has not run (the settings a
+    re-run trains with are not known yet)."""
+    from snlp.apps.report import MODELS
+    from snlp.train.checkpointing import saved_state
+
+    if sr.tokenizer is None:
+        return None
+    names, out = dict(MODELS), []
+    for key, reg in TRAINED:
+        if key in sr.trains:  # finished (this invocation or reused): the re-run reuses it
+            continue
+        settings = _train_settings(sr, key, reg, sr.tokenizer.id)[1]
+        model_dir, partial = sr.out / key, sr.out / "stages" / f"train-{key}.partial.json"
+        if resumable(model_dir, partial, settings):
+            step = (saved_state(model_dir) or {}).get("step")
+            out.append(f"{names[key]} resumes from step {step}" if isinstance(step, int) else
+                       f"{names[key]} resumes from its last save")
+        elif sr.retraining or partial.is_file():
+            out.append(f"{names[key]} trains again from step 0 (nothing of it was saved)")
+    return out
+
+
 def _launch(job: TrainJob, threads: int, force: bool, console):
     """Start a training process for a job (resuming an interrupted run of the same settings)."""
     import multiprocessing
 
-    resume = (not force and (job.model_dir / "model.safetensors").is_file()
-              and (job.model_dir / "train_state.pt").is_file() and read_json(job.partial) == canon(job.settings))
+    resume = not force and resumable(job.model_dir, job.partial, job.settings)
     if resume:
         console.print(f"{job.key}: resuming the interrupted training in {job.model_dir}")
     else:
@@ -283,13 +315,14 @@ class Lockstep:
 
 
 def train_models(jobs: list[TrainJob], console, parallel: bool = True, threads: int = 0, force: bool = False,
-                 every: float = 30.0, ends: dict | None = None) -> dict[str, float]:
+                 every: float = 30.0, ends: dict | None = None, resumed: dict | None = None) -> dict[str, float]:
     """Run the jobs' trainings, all at once (parallel) or one after another, with `threads` intra-op threads
     each (0 = torch's default); in lockstep when every job names a lockstep folder (see
     Lockstep: a wall-clock budget that ends every run at the same step); a status line every `every` seconds
     (a live bar on a terminal). Returns each job's wall time. A failed run stops the others. `ends`, when given,
     gets each job's (finish time, 1-minute load average) as it ended: side by side without lockstep one run ends
-    well before the other, and its stage record is written only once both have."""
+    well before the other, and its stage record is written only once both have. `resumed`, when given, gets the
+    step each job resumed from where it resumed an earlier invocation's save."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     groups = [jobs] if parallel else [[j] for j in jobs]
@@ -300,6 +333,8 @@ def train_models(jobs: list[TrainJob], console, parallel: bool = True, threads: 
         procs = {j.key: _launch(j, threads, force, console) for j in group}
         # the step each resumed from (read before its first save): Lockstep ignores the stops of earlier legs
         since = {j.key: _saved_step(j.model_dir) for j in group}
+        if resumed is not None:  # a leg that resumed an earlier invocation's save (its report says so)
+            resumed.update({k: v for k, v in since.items() if v})
         bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                        TimeElapsedColumn(), console=console, disable=not console.is_terminal)
         tasks = {j.key: bar.add_task(f"train {j.key}", total=j.cfg.steps, info="") for j in group}
@@ -535,11 +570,13 @@ def _train(sr: Speedrun, jobs: list[TrainJob]) -> None:
         # an interrupted training leaves a model.safetensors that record's settings would match
         sr.stages.path(f"train-{j.key}").unlink(missing_ok=True)
     ends: dict[str, tuple] = {}
-    walls = train_models(jobs, sr.console, sr.parallel, sr.train_threads, sr.force, ends=ends)
+    resumed: dict[str, int] = {}
+    walls = train_models(jobs, sr.console, sr.parallel, sr.train_threads, sr.force, ends=ends, resumed=resumed)
     fingerprint = sr.tokenizer.result["fingerprint"]
     for j in jobs:
         if pre.minutes:
             sr.stages.notes[f"train-{j.key}"] = {"planned": pre.minutes * 60 + TRAIN_OVERHEAD_S}
-        result = {**train_summary(j, fingerprint, walls[j.key]), "minutes": pre.minutes}
+        result = {**train_summary(j, fingerprint, walls[j.key]), "minutes": pre.minutes,
+                  "resumed_from_step": resumed.get(j.key)}
         sr.trains[j.key] = sr.stages.finish(f"train-{j.key}", j.settings, result, seconds=walls[j.key],
                                             ended=ends.get(j.key))
