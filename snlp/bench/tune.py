@@ -731,7 +731,7 @@ def _result(model: GPT, cfg: TuneConfig, quality, acceptance, costs, cands, s1: 
     if cfg.full_grid:
         best = {g: _best([c for c in cands if c.goal == g]) for g in goals}
         ratio = {g: picks[g].tokens_per_s / best[g].tokens_per_s if picks[g] and best[g] else None for g in goals}
-    notes = [f"SSD candidate {c.plan} B={c.block} ({c.threads} threads{', compiled' if c.compiled else ''}): output "
+    notes = [f"SSD candidate {c.plan} B={c.block} ({c.threads} thread{'s' if c.threads != 1 else ''}{', compiled' if c.compiled else ''}): output "
              f"differs from sequential (excluded)" for c in cands if c.goal == "ssd" and c.matches_sequential is False]
     notes += [f"{c.goal} candidate {_name_of(c, True)}: non-finite measurement (speedup {c.measured_speedup}, tokens/s "
               f"{c.tokens_per_s}, rounds {c.round_speedups}; excluded)" for c in cands if c.measured and not _finite(c)]
@@ -825,8 +825,8 @@ def summary(result: TuneResult) -> list[str]:
         if p is None:
             out.append(f"{g}: no pick")
             continue
-        what = f"`{p.plan}`" + (f" B={p.block}" if p.block else "") + f", {p.threads} threads" + \
-            (", compiled" if p.compiled else "")
+        what = (f"`{p.plan}`" + (f" B={p.block}" if p.block else "") + f", {p.threads} thread"
+                + ("s" if p.threads != 1 else "") + (", compiled" if p.compiled else ""))
         # a ratio its paired rounds do not resolve says so where it is printed, not only in a note further down
         tie = bool(p.round_speedups) and paired_verdict(p.round_speedups)[0] == "tie"
         line = (f"{g} pick: {what}: measured {p.tokens_per_s:.0f} tok/s ({p.measured_speedup:.2f}x sequential"
