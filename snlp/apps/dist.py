@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from pathlib import Path
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
@@ -70,10 +71,12 @@ def check_world_fits(plans) -> None:
         partition(p.chunks, int(world))
 
 
-def check_before_ranks(args, plans, ckpt) -> None:
+def check_before_ranks(args, plans, ckpt, spec: ModelSpec | None = None) -> None:
     """What every rank would refuse, refused once before any process group starts: the --dist-timeout, a chunk for
-    every rank, plans whose surrogate has no distributed form and a checkpoint with nanochat's smear / backout (a
-    bench over several plans would otherwise time the first ones, then fail on a later one)."""
+    every rank, plans whose surrogate has no distributed form, a checkpoint with nanochat's smear / backout, a plan
+    the model's residual stream cannot take (hcn without mHC) and a preheat plan without a calibration (a bench over
+    several plans would otherwise time the first ones, then fail on a later one). `spec`: bench's random-weights
+    model, which has no calibration to read."""
     try:
         check_timeout(args.dist_timeout)
     except ValueError:
@@ -82,9 +85,25 @@ def check_before_ranks(args, plans, ckpt) -> None:
     for p in plans:
         check_distributable(p)
     from snlp.io.checkpoint import is_snlp_checkpoint, load_config
+    from snlp.method.preheat import FILENAME as PREHEAT_FILE
 
+    preheat = [p for p in plans if p.init == "preheat"]
     if ckpt and is_snlp_checkpoint(ckpt):  # anything else: RankCheckpoint refuses it with what it is
-        check_distributable(config=load_config(ckpt))
+        config = load_config(ckpt)
+        check_distributable(config=config)
+        for p in plans:
+            p.check_model(config)
+        if preheat and not (Path(ckpt) / PREHEAT_FILE).is_file():  # as snlp.apps.common.plans_preheat
+            raise ValueError(f"plan {preheat[0]} starts from the preheat init but checkpoint {ckpt} has no "
+                             f"calibration: run `snlp calibrate {ckpt}` first")
+    elif spec is not None and not ckpt:
+        if preheat:
+            raise ValueError(f"plan {preheat[0]} starts from the preheat init, which needs a calibrated checkpoint: "
+                             f"give --ckpt CKPT (after `snlp calibrate CKPT`); random weights have no calibration")
+        for p in plans:
+            if p.surrogate.needs_mhc and spec.hc_streams < 1:
+                raise ValueError(f"plan {p}: the {p.surrogate.token} surrogate needs an mHC model: give --hc-streams "
+                                 f"N >= 1, or use idn")
 
 
 def refuse_compile(args) -> None:
@@ -127,6 +146,12 @@ def run_generate(args) -> int:
     check_source(args.ckpt, "checkpoint", hub=False)  # one line, with the closest names
     check_plans_fit(args.ckpt, [args.plan])  # its depth from the checkpoint's config, before any rank starts
     check_before_ranks(args, [Plan.parse(args.plan)], args.ckpt)  # a chunk for every rank, a distributed surrogate
+    if args.eos_id is not None:  # an id the model can never generate: as snlp.apps.generate.run, from the config
+        from snlp.decode.session import stop_set
+        from snlp.io.checkpoint import is_snlp_checkpoint, load_config
+
+        if is_snlp_checkpoint(args.ckpt):
+            stop_set(args.eos_id, load_config(args.ckpt).vocab_size)
     return _run_ranked("generate", args, lambda rank, world, device, cores: _run_generate_ranked(args, rank, world,
                                                                                                  device, cores))
 
@@ -349,6 +374,17 @@ def run_bench(args, spec: ModelSpec, unread_flags) -> int:
     if len(counts) != 1:
         raise ValueError(f"--distributed takes one --tokens value (got {','.join(map(str, counts))})")
     unread_flags(args, "distributed --decode" if args.decode else "distributed")  # e.g. --simulate-devices' flags
+    # the counts the single-process bench refuses (snlp.apps.bench.run, snlp.bench.decode), refused here too: every
+    # rank would otherwise fail late (--runs 0: the median of no runs) or run something else (--blocks 0 ran B = 1
+    # under a row that names no block)
+    if args.batch < 1 or args.runs < 1 or args.warmup < 0:
+        raise ValueError("--tokens, --batch and --runs must be >= 1 and --warmup >= 0")
+    if getattr(args, "threads", None) is not None and args.threads < 1:  # as set_threads refuses it on every rank
+        raise ValueError("--threads must be >= 1")
+    if args.decode:
+        blocks = dist_blocks(args.blocks)
+        if args.prompt_len < 1 or args.new_tokens < 1 or not blocks or min(blocks) < 1:
+            raise ValueError("--prompt-len, --new-tokens and every block size must be >= 1")
     from snlp.apps.common import check_plans_fit, check_plans_grammar
 
     plans = check_plans_grammar(args.plans)
@@ -356,9 +392,17 @@ def run_bench(args, spec: ModelSpec, unread_flags) -> int:
     if not spec.ckpt:  # random weights: the depth is --depth's (every rank would refuse a too deep plan alike)
         for p in plans:
             p.check(spec.depth)
-    check_before_ranks(args, plans, spec.ckpt)
+    check_before_ranks(args, plans, spec.ckpt, spec)
     return _run_ranked("bench", args, lambda rank, world, device, cores: _run_bench_ranked(args, spec, rank, world,
                                                                                             device, cores))
+
+
+def dist_blocks(text: str) -> tuple[int, ...]:
+    """--blocks B1,B2,... as integers, in the single-process bench's words where they are not."""
+    try:
+        return tuple(int(b) for b in text.split(",") if b.strip())
+    except ValueError:
+        raise ValueError(f"--blocks must be comma-separated integers, got {text!r}") from None
 
 
 def rank_load(device, cores: int, rank: int, remedy: bool) -> tuple[LoadWindow | None, int]:
@@ -388,7 +432,7 @@ def _run_bench_ranked(args, spec: ModelSpec, rank: int, world: int, device, core
         model_fn = lambda: build_model(spec).to(device=device, dtype=dtype).eval()  # noqa: E731  same seed everywhere
         L = spec.depth
     plans = parse_plans(args.plans, L)
-    blocks = tuple(int(b) for b in args.blocks.split(",") if b.strip())
+    blocks = dist_blocks(args.blocks)
     counts = args.tokens if isinstance(args.tokens, tuple) else (args.tokens,)
     window, own = rank_load(device, cores, rank, torch.get_num_threads() > 1)
     recs = distributed_benchmark(model_fn, plans, counts[0], args.batch, args.warmup, args.runs, spec.seed,

@@ -215,6 +215,25 @@ def test_distributed_generate_applies_the_repetition_penalty(chat_ckpt, tmp_path
      "the newton surrogate is not available distributed"),
     (["bench", "--distributed", "--depth", "4", "--plans", "8xF1-h0-K1"],
      "plan 8xF1-h0-K1 needs a suffix of N = 8x1 = 8 layers but the model has only L = 4"),
+    # what every rank would refuse once the model is open, refused from the checkpoint's config before the group
+    (["generate", "{ckpt}", "--distributed", "--mode", "snlp", "--plan", "2xF1-h0-K1", "--eos-id", "5000"],
+     "eos_id 5000 holds ids outside the model's vocabulary"),
+    (["generate", "{ckpt}", "--distributed", "--mode", "snlp", "--plan", "2xF1-h0-K1-hcn"],
+     "the hcn surrogate needs an mHC model"),
+    (["generate", "{ckpt}", "--distributed", "--mode", "speculative", "--plan", "2xF1-preheat-K1"],
+     "starts from the preheat init but checkpoint"),
+    (["bench", "--distributed", "--depth", "4", "--plans", "4xF1-preheat-K1"],
+     "random weights have no calibration"),
+    (["bench", "--distributed", "--depth", "4", "--plans", "4xF1-h0-K1-hcn"], "the hcn surrogate needs an mHC model"),
+    # the single-process bench's counts (--runs 0 failed every rank on the median of no runs; --blocks 0 ran B = 1)
+    (["bench", "--distributed", "--depth", "4", "--runs", "0"], "--tokens, --batch and --runs must be >= 1"),
+    (["bench", "--distributed", "--depth", "4", "--batch", "0"], "--tokens, --batch and --runs must be >= 1"),
+    (["bench", "--distributed", "--depth", "4", "--warmup", "-1"], "--warmup >= 0"),
+    (["bench", "--distributed", "--depth", "4", "--threads", "0"], "--threads must be >= 1"),
+    (["bench", "--distributed", "--depth", "4", "--decode", "--blocks", "0"], "every block size must be >= 1"),
+    (["bench", "--distributed", "--depth", "4", "--decode", "--blocks", "2,x"], "--blocks must be comma-separated"),
+    (["bench", "--distributed", "--depth", "4", "--decode", "--new-tokens", "0"], "--new-tokens and every block"),
+    (["bench", "--distributed", "--depth", "4", "--decode", "--prompt-len", "0"], "--prompt-len, --new-tokens"),
     # flags the run does not read would change nothing
     (["bench", "--distributed", "--depth", "4", "--link-gbps", "5"],
      "--link-gbps is not read by `snlp bench --distributed` without --decode"),
@@ -234,9 +253,13 @@ def test_distributed_generate_applies_the_repetition_penalty(chat_ckpt, tmp_path
     (["bench", "--simulate-devices", "2", "--shape", "3B", "--roofline-gbytes", "100", "--tokens", "1,4"],
      "--simulate-devices takes one --tokens value (got 1,4)"),
 ])
-def test_distributed_refuses_what_it_cannot_honour(chat_ckpt, argv, msg, capsys):
-    """Refused before any process group is set up (no torchrun needed to see the error)."""
+def test_distributed_refuses_what_it_cannot_honour(chat_ckpt, argv, msg, capsys, monkeypatch):
+    """Refused before any process group is set up (no torchrun environment: a refusal that came later would be the
+    missing-environment one)."""
     from snlp.apps.cli import main
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
 
     assert main([a.format(ckpt=chat_ckpt[0]) for a in argv]) == 2
     assert msg in capsys.readouterr().err
