@@ -213,7 +213,7 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
             rounds.append((got["sequential"], got[args.mode]))
         if window is not None:
             window.close()
-    mem = gather_objects(runner.memory())
+    mem = gather_objects(runner.memory(max_len=len(prompt) + args.max_new_tokens))  # the decodes' KV window too
     if rank == 0:
         if not args.quiet:
             print()

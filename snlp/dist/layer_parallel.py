@@ -381,8 +381,10 @@ class DistributedSNLP:
             self.w.ve_slot = lut.to(self.w.ve_slot.device)[self.w.ve_slot]
 
     # ----- memory -----
-    def memory(self, cache: KVCache | None = None) -> dict:
-        """Bytes this rank holds: fused chunk weights, the model parameters it kept, and its KV window."""
+    def memory(self, cache: KVCache | None = None, max_len: int | None = None) -> dict:
+        """Bytes this rank holds: fused chunk weights, the model parameters it kept, and its KV window: `cache`'s, or
+        the window `new_cache(max_len)` allocates (a decode of a prompt of n tokens and N new ones holds n + N
+        positions); kv_bytes is 0 with neither (a prefill without a cache)."""
         def nbytes(obj) -> int:
             if isinstance(obj, Tensor):
                 return obj.numel() * obj.element_size()
@@ -393,7 +395,11 @@ class DistributedSNLP:
             return 0
         fused = nbytes(self.w)
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        kv = 0 if cache is None else nbytes(cache.k) + nbytes(cache.v)
+        if cache is None and max_len is not None:  # the window's two tensors, K and V, without allocating them
+            cfg, p = self.model.config, self.model.wte.weight
+            kv = 2 * (self.stop - self.first) * cfg.n_kv_head * max_len * cfg.head_dim * p.element_size()
+        else:
+            kv = 0 if cache is None else nbytes(cache.k) + nbytes(cache.v)
         return {"fused_weight_bytes": fused, "param_bytes": params, "kv_bytes": kv, "total_bytes": fused + params + kv}
 
     def new_cache(self, max_len: int, batch: int = 1) -> WindowKVCache:
@@ -733,6 +739,9 @@ def distributed_benchmark(model_fn, plans: list[Plan], tokens: int, batch: int, 
                      "pipeline_sequential_times_ms": pipe, "snlp_times_ms": par})
         if decode:
             prompt = torch.randint(0, V, (prompt_len,), generator=gen).tolist()
+            # a decode holds its KV window (prompt + new tokens) beside the weights: the decode rows count it
+            dmem = gather_objects(runner.memory(max_len=prompt_len + new_tokens))
+            dbase = dict(base, max_rank_bytes=max(m["total_bytes"] for m in dmem), memory_per_rank=dmem)
             modes = [("sequential", 0), ("snlp", 0)] + [("speculative", b) for b in blocks]
             res: dict = {m: [] for m in modes}
             for i in range(warmup + runs):
@@ -744,7 +753,7 @@ def distributed_benchmark(model_fn, plans: list[Plan], tokens: int, batch: int, 
             ref = res[("sequential", 0)][0].tokens
             for (mode, b), rs in res.items():
                 ms = statistics.median(1e3 * r.decode_s / len(r.tokens) for r in rs)
-                rec = {**base, "what": "decode", "mode": mode, "block": b or None, "ms_per_token": ms,
+                rec = {**dbase, "what": "decode", "mode": mode, "block": b or None, "ms_per_token": ms,
                        "speedup_vs_pipeline": seq_ms / ms, "matches_sequential": rs[0].tokens == ref,
                        "prompt_len": prompt_len, "new_tokens": new_tokens,
                        # run i of every mode ran in round i (paired with the sequential row's run i)

@@ -152,6 +152,14 @@ def test_distributed_generate_honours_chat_and_repeats(chat_ckpt, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     rec = json.loads((tmp_path / "dist.json").read_text())
     assert rec["tokens"] == ref and rec["stop"] == "eos"  # the chat prompt, stopped at the chat EOS
+    # memory_per_rank counts the KV window the decodes held (prompt + --max-new-tokens positions of every layer,
+    # split over the ranks); it said kv_bytes 0
+    from snlp.io.checkpoint import load
+
+    model, tok = load(ckpt)
+    cfg, n = model.config, len(tok.chat_prompt([{"role": "user", "content": CHAT_PROMPT}])) + CHAT_NEW
+    kv = [m["kv_bytes"] for m in rec["memory_per_rank"]]
+    assert sum(kv) == 2 * cfg.n_layer * cfg.n_kv_head * n * cfg.head_dim * 4 and min(kv) > 0  # fp32
     assert rec["matches_sequential"] and rec["sequential_tokens"] == ref
     assert rec["repeats"] == 2 and rec["measured_speedup"] > 0 and "timed over 2 runs of each" in out.stdout
     # 2 paired runs cannot resolve the ratio, and the line says so instead of printing it as a result
