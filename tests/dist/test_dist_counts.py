@@ -57,3 +57,68 @@ def test_bench_decode_rows_count_the_kv_window(world, tmp_path):
         assert min(kv) > 0
         assert r["max_rank_bytes"] == max(m["total_bytes"] for m in r["memory_per_rank"])
         assert r["max_rank_bytes"] > prefill[0]["max_rank_bytes"]
+
+
+STOP_AT = 3  # the callbacks below end the decode once this many tokens were streamed
+
+
+def _stopper(seen: list):
+    def on_tokens(new):
+        seen.extend(new)
+        return len(seen) >= STOP_AT
+    return on_tokens
+
+
+def _decode_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from snlp.dist.layer_parallel import DistributedSNLP
+
+    _init(rank, world, port, timeout_s=20.0)  # a rank left waiting fails in 20 s, not a minute
+    runner = DistributedSNLP(_model(), PLAN, keep_layers=True)
+    res = {}
+    for mode in ("sequential", "snlp", "speculative"):
+        for name, kw in (("free", dict(max_new_tokens=NEW)), ("eos", dict(max_new_tokens=NEW, eos_id=3)),
+                         ("max_len", dict(max_new_tokens=NEW, max_len=PROMPT_LEN + 3))):
+            r = runner.generate(list(range(1, PROMPT_LEN + 1)), mode, block=2, **kw)
+            res[(mode, name)] = (r.tokens, r.stop, r.steps, r.forwards, r.step_s > 0 if r.steps else None)
+        # the stop vote: the callback of one rank only (the first, the last), or of every rank with only the
+        # first's saying stop
+        for who in ("first", "last", "all"):
+            mine = rank == 0 if who == "first" else rank == world - 1 if who == "last" else True
+            cb = (_stopper([]) if rank == 0 or who != "all" else (lambda new: None)) if mine else None
+            r = runner.generate(list(range(1, PROMPT_LEN + 1)), mode, NEW, block=2, on_tokens=cb)
+            res[(mode, "stop-" + who)] = (r.tokens, r.stop)
+    torch.save(res, os.path.join(out, f"dec{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_decode_counters_and_the_stop_vote_equal_single_process(world, tmp_path):
+    """steps (single-token decode steps of sequential / snlp decoding) were never counted: 0 in every distributed
+    result and in `snlp generate --distributed --json`; now they equal the single-process decoder's, with
+    step_s > 0. An on_tokens callback returning True on one rank only ended that rank's decode and left the others
+    waiting in the next collective (the ranks parted); now any rank's True ends every rank's decode after the same
+    tokens, as the single-process decoder with that callback ends."""
+    from snlp.decode import sequential_generate, snlp_generate, speculative_generate
+
+    _spawn(_decode_worker, world, str(tmp_path))
+    model = _model()
+    prompt = list(range(1, PROMPT_LEN + 1))
+    run = {"sequential": lambda **kw: sequential_generate(model, prompt, **kw),
+           "snlp": lambda **kw: snlp_generate(model, prompt, PLAN, **kw),
+           "speculative": lambda **kw: speculative_generate(model, prompt, PLAN, block=2, **kw)}
+    ranks = [torch.load(tmp_path / f"dec{r}.pt") for r in range(world)]
+    for mode, fn in run.items():
+        for name, kw in (("free", dict(max_new_tokens=NEW)), ("eos", dict(max_new_tokens=NEW, eos_id=3)),
+                         ("max_len", dict(max_new_tokens=NEW, max_len=PROMPT_LEN + 3))):
+            ref = fn(**kw)
+            for rk in ranks:
+                tokens, stop, steps, forwards, timed = rk[(mode, name)]
+                assert (tokens, stop, steps, forwards) == (ref.tokens, ref.stop, ref.steps, ref.forwards), (mode, name)
+                assert timed in (True, None)
+        ref = fn(max_new_tokens=NEW, on_tokens=_stopper([]))
+        assert ref.stop == "on_tokens" and len(ref.tokens) < NEW  # the callback ends this decode early
+        for rk in ranks:
+            for who in ("first", "last", "all"):
+                assert rk[(mode, "stop-" + who)] == (ref.tokens, "on_tokens"), (mode, who, world)
