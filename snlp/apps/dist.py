@@ -184,22 +184,18 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
                              preheat=ckpt.preheat() if plan.init == "preheat" else None)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, eos_id=eos_id,
               seed=args.seed, top_k=args.top_k, top_p=args.top_p, repetition_penalty=penalty)
-    out: list[int] = []
-    printed = [""]
+    # rank 0 streams as snlp.apps.generate.run does: the prompt with the first tokens (a chat's on a line of its own),
+    # a chat's end-of-turn stop not printed (the summary line names it)
+    from snlp.apps.generate import streamer
 
-    def stream(new: list[int]) -> None:
-        out.extend(new)
-        text = tok.decode(out, mark_missing=True)
-        print(text[len(printed[0]):], end="", flush=True)
-        printed[0] = text
-
-    if rank == 0 and not args.quiet:
-        print(args.prompt, end="", flush=True)
+    hide = ([eos_id] if isinstance(eos_id, int) else eos_id or []) if getattr(args, "chat", False) else []
+    stream = streamer(tok, hide, head=args.prompt + ("\n" if getattr(args, "chat", False) else "")) \
+        if rank == 0 and not args.quiet else None
     base = None
     if args.mode == "speculative" and not args.no_baseline:
         base = runner.generate(prompt, "sequential", **kw)
     res = runner.generate(prompt, args.mode, block=args.block,
-                          on_tokens=stream if rank == 0 and not args.quiet else None, **kw)
+                          on_tokens=stream, **kw)
     rounds = []  # as snlp.apps.generate.run: the runs above warm both sides up, then --repeats timed rounds of each
     window = None
     if base is not None:
@@ -215,7 +211,8 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
             window.close()
     mem = gather_objects(runner.memory(max_len=len(prompt) + args.max_new_tokens))  # the decodes' KV window too
     if rank == 0:
-        if not args.quiet:
+        if stream is not None:
+            stream.flush_head()
             print()
         record = {"tokens": res.tokens, "text": tok.decode(res.tokens, mark_missing=True), "world_size": world,
                   "chunks_per_rank": [list(b) for b in partition(plan.chunks, world)], "memory_per_rank": mem,

@@ -169,6 +169,30 @@ def test_distributed_generate_honours_chat_and_repeats(chat_ckpt, tmp_path):
     assert f"which ran {lo:.2f}-{hi:.2f}x" in out.stdout and "(each side's own median)" in out.stdout
 
 
+def test_distributed_generate_streams_what_single_process_generate_streams(chat_ckpt, capsys):
+    """rank 0 streamed a chat's end-of-turn stop as text (<|assistant_end|>) and the reply on the prompt's line, where
+    `snlp generate` puts the reply on a line of its own and hides the stop (the summary line names it): the streamed
+    text is now the single-process command's, the summary line aside."""
+    import subprocess
+    import sys
+
+    from snlp.apps.cli import main
+
+    ckpt, ref = chat_ckpt
+    args = ["generate", str(ckpt), "--chat", "--prompt", CHAT_PROMPT, "--mode", "snlp", "--plan", "2xF1-h0-K1",
+            "--max-new-tokens", str(CHAT_NEW), "--device", "cpu"]
+    assert main(args) == 0
+    single = capsys.readouterr().out.splitlines()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_free_port()}",
+           "-m", "snlp", *args, "--distributed"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, out.stderr[-3000:]
+    dist = out.stdout.splitlines()
+    assert single[-1].startswith("[snlp ") and dist[-1].startswith("[distributed snlp ")
+    assert dist[:-1] == single[:-1] and single[0] == CHAT_PROMPT
+
+
 def test_distributed_generate_applies_the_repetition_penalty(chat_ckpt, tmp_path):
     """`snlp generate --distributed --repetition-penalty P` refused the flag (the layer-parallel decoder applied no
     penalty); now the speculative run and its pipelined sequential baseline both apply it: the tokens are the
