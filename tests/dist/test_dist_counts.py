@@ -15,6 +15,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 PLAN = "5xF1-h0-K1"  # 5 chunks: uneven blocks over 2 ranks
 PROMPT_LEN, NEW = 4, 5
+RUNS = 2
 
 
 def _model():
@@ -29,8 +30,8 @@ def _bench_worker(rank: int, world: int, port: int, out: str) -> None:
     _init(rank, world, port)
     from snlp.method.plan import Plan
 
-    recs = distributed_benchmark(_model, [Plan.parse(PLAN)], tokens=3, batch=1, warmup=0, runs=1, seed=0, decode=True,
-                                 prompt_len=PROMPT_LEN, new_tokens=NEW, blocks=(2,))
+    recs = distributed_benchmark(_model, [Plan.parse(PLAN)], tokens=3, batch=1, warmup=0, runs=RUNS, seed=0,
+                                 decode=True, prompt_len=PROMPT_LEN, new_tokens=NEW, blocks=(2, 2))
     torch.save(recs, os.path.join(out, f"bench{rank}.pt"))
     dist.destroy_process_group()
 
@@ -57,6 +58,17 @@ def test_bench_decode_rows_count_the_kv_window(world, tmp_path):
         assert min(kv) > 0
         assert r["max_rank_bytes"] == max(m["total_bytes"] for m in r["memory_per_rank"])
         assert r["max_rank_bytes"] > prefill[0]["max_rank_bytes"]
+
+
+@pytest.mark.parametrize("world", [1])
+def test_bench_block_named_twice_is_one_row_of_paired_runs(world, tmp_path):
+    """--blocks 2,2: the single-process decode benchmark keys its runs by block (one row); the distributed one ran
+    the block twice a round into the same row, whose per-run list then held 2 x runs entries paired by position
+    with the sequential runs of other rounds."""
+    _spawn(_bench_worker, world, str(tmp_path))
+    spec = [r for r in torch.load(tmp_path / "bench0.pt", weights_only=False) if r.get("mode") == "speculative"]
+    assert len(spec) == 1 and spec[0]["block"] == 2
+    assert len(spec[0]["ms_per_token_runs"]) == len(spec[0]["sequential_ms_per_token_runs"]) == RUNS
 
 
 STOP_AT = 3  # the callbacks below end the decode once this many tokens were streamed
