@@ -180,6 +180,13 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
         eos_id = (list(tok.chat_stop_ids) or None) if eos_id is None else eos_id
     else:
         prompt = tok.prompt_ids(args.prompt)
+    if rank == 0:  # snlp.apps.generate.run's notes: an empty prompt, a decode reaching past the trained context
+        from snlp.apps.generate import past_context
+
+        if not args.prompt and not getattr(args, "chat", False):
+            print("snlp generate: the prompt is empty: generating from the tokenizer's BOS alone (give --prompt TEXT "
+                  "to continue a text)", file=sys.stderr)
+        past_context(ckpt, len(prompt), args.max_new_tokens)
     runner = DistributedSNLP(ckpt.meta_model(), plan, keep_layers=args.mode != "snlp", checkpoint=ckpt,
                              preheat=ckpt.preheat() if plan.init == "preheat" else None)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, eos_id=eos_id,
@@ -219,6 +226,11 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
                   **{k: v for k, v in res.to_dict().items() if k != "tokens"}}
         stats = (f"[distributed {res.mode} {plan} over {world} ranks] {len(res.tokens)} tokens, "
                  f"{res.tokens_per_s:.1f} tok/s{' in this one run' if base is not None else ''}, stop: {res.stop}")
+        if res.mode == "speculative":  # as snlp generate's line: the block and the acceptance, --no-baseline or not
+            from snlp.apps.common import NO_DRAFTS
+
+            alpha = f"alpha={res.acceptance_rate:.3f}" if res.examined else NO_DRAFTS
+            stats += f", B={res.block}, {alpha}, tokens/round={res.tokens_per_round:.2f}"
         if base is not None:
             from statistics import median as med
 
@@ -238,10 +250,7 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
             # as snlp.apps.generate: the streamed run's rate ran once at its own moment's load; the warm medians
             # of both sides stand beside the ratio, and the ratio says whether the paired runs resolve it; the
             # ratios' range holds both the median ratio and the ratio of the two medians, which can differ in sign
-            from snlp.apps.common import NO_DRAFTS
-
-            alpha = f"alpha={res.acceptance_rate:.3f}" if res.examined else NO_DRAFTS
-            stats += (f", {alpha}, tokens/round={res.tokens_per_round:.2f}; timed over "
+            stats += (f"; timed over "
                       f"{len(rounds)} runs of each after a warm-up: speculative "
                       f"{record['speculative_tokens_per_s']:.1f} tok/s, pipelined sequential "
                       f"{record['pipeline_sequential_tokens_per_s']:.1f} tok/s (each side's own median), speedup "

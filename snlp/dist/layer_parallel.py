@@ -771,7 +771,8 @@ def distributed_benchmark(model_fn, plans: list[Plan], tokens: int, batch: int, 
             prompt = torch.randint(0, V, (prompt_len,), generator=gen).tolist()
             # a decode holds its KV window (prompt + new tokens) beside the weights: the decode rows count it
             dmem = gather_objects(runner.memory(max_len=prompt_len + new_tokens))
-            dbase = dict(base, max_rank_bytes=max(m["total_bytes"] for m in dmem), memory_per_rank=dmem)
+            # and decodes one prompt: batch 1 whatever the prefill's batch
+            dbase = dict(base, batch=1, max_rank_bytes=max(m["total_bytes"] for m in dmem), memory_per_rank=dmem)
             # a block named twice is one row, as in the single-process decode benchmark (its runs keyed by block):
             # listed twice it ran twice a round into one row's runs, which then paired with the wrong sequential runs
             modes = [("sequential", 0), ("snlp", 0)] + [("speculative", b) for b in dict.fromkeys(blocks)]

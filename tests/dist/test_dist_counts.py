@@ -30,7 +30,7 @@ def _bench_worker(rank: int, world: int, port: int, out: str) -> None:
     _init(rank, world, port)
     from snlp.method.plan import Plan
 
-    recs = distributed_benchmark(_model, [Plan.parse(PLAN)], tokens=3, batch=1, warmup=0, runs=RUNS, seed=0,
+    recs = distributed_benchmark(_model, [Plan.parse(PLAN)], tokens=3, batch=2, warmup=0, runs=RUNS, seed=0,
                                  decode=True, prompt_len=PROMPT_LEN, new_tokens=NEW, blocks=(2, 2))
     torch.save(recs, os.path.join(out, f"bench{rank}.pt"))
     dist.destroy_process_group()
@@ -52,6 +52,8 @@ def test_bench_decode_rows_count_the_kv_window(world, tmp_path):
     decode = [r for r in recs if r["what"] == "decode"]
     assert len(prefill) == 1 and {r["mode"] for r in decode} == {"sequential", "snlp", "speculative"}
     assert all(m["kv_bytes"] == 0 for m in prefill[0]["memory_per_rank"])
+    # the prefill runs --batch rows; a decode one prompt (its rows said batch 2)
+    assert prefill[0]["batch"] == 2 and all(r["batch"] == 1 for r in decode)
     for r in decode:
         kv = [m["kv_bytes"] for m in r["memory_per_rank"]]
         assert sum(kv) == _kv_bytes(model, model.config.n_layer, PROMPT_LEN + NEW), r["mode"]  # every layer once

@@ -193,6 +193,27 @@ def test_distributed_generate_streams_what_single_process_generate_streams(chat_
     assert dist[:-1] == single[:-1] and single[0] == CHAT_PROMPT
 
 
+def test_distributed_generate_says_what_single_process_generate_says(chat_ckpt):
+    """--mode speculative --no-baseline printed no block, alpha or tokens/round (snlp generate's line has them
+    whether it times a baseline or not), and the notes on an empty prompt and on a decode that may run past the
+    trained context were never said."""
+    import subprocess
+    import sys
+
+    from snlp.io.checkpoint import load_config
+
+    ckpt, _ = chat_ckpt
+    n = load_config(ckpt).sequence_len
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_free_port()}",
+           "-m", "snlp", "generate", str(ckpt), "--distributed", "--prompt", "", "--mode", "speculative", "--plan",
+           "2xF1-h0-K1", "--block", "3", "--no-baseline", "--max-new-tokens", str(n), "--quiet"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert ", B=3, alpha=" in out.stdout and "tokens/round=" in out.stdout
+    assert "the prompt is empty" in out.stderr and "past the model's trained context" in out.stderr
+
+
 def test_distributed_generate_applies_the_repetition_penalty(chat_ckpt, tmp_path):
     """`snlp generate --distributed --repetition-penalty P` refused the flag (the layer-parallel decoder applied no
     penalty); now the speculative run and its pipelined sequential baseline both apply it: the tokens are the
