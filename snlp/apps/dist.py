@@ -403,6 +403,21 @@ def run_bench(args, spec: ModelSpec, unread_flags) -> int:
                                                                                             device, cores))
 
 
+def prefill_line(world: int, r: DistPrefillRow) -> str:
+    """A prefill row's line. Its speedup is a tie where the p10-p90 spreads' range holds 1, or where each side has
+    too few timings for separated spreads to mean a difference (snlp.bench.stats.spread_verdict): the line says
+    which, since a range clear of 1 read beside "tie" looks like a contradiction."""
+    spread = ""
+    if r.speedup_lo is not None:
+        spread = f", p10-p90 spreads allow {r.speedup_lo:.2f}-{r.speedup_hi:.2f}x"
+        if r.speedup_tie:
+            spread += ": tie" if r.speedup_lo <= 1.0 <= r.speedup_hi else \
+                f": tie, {r.runs} runs a side are too few for separated spreads to tell a difference"
+    return (f"[{world} ranks] {r.plan} prefill T={r.tokens} B={r.batch}: pipelined sequential "
+            f"{r.pipeline_sequential_ms:.2f} ms, distributed SNLP {r.snlp_ms:.2f} ms "
+            f"({r.speedup:.2f}x{spread}); max rank memory {r.max_rank_bytes / 1e6:.1f} MB")
+
+
 def dist_blocks(text: str) -> tuple[int, ...]:
     """--blocks B1,B2,... as integers, in the single-process bench's words where they are not."""
     try:
@@ -451,11 +466,7 @@ def _run_bench_ranked(args, spec: ModelSpec, rank: int, world: int, device, core
                 for r in recs]
         for r in rows:
             if isinstance(r, DistPrefillRow):
-                spread = "" if r.speedup_lo is None else (f", p10-p90 spreads allow {r.speedup_lo:.2f}-"
-                                                           f"{r.speedup_hi:.2f}x" + (": tie" if r.speedup_tie else ""))
-                print(f"[{world} ranks] {r.plan} prefill T={r.tokens} B={r.batch}: pipelined sequential "
-                      f"{r.pipeline_sequential_ms:.2f} ms, distributed SNLP {r.snlp_ms:.2f} ms "
-                      f"({r.speedup:.2f}x{spread}); max rank memory {r.max_rank_bytes / 1e6:.1f} MB")
+                print(prefill_line(world, r))
             else:
                 print(f"[{world} ranks] {r.plan} decode {r.mode}{' B=' + str(r.block) if r.block else ''}: "
                       f"{r.ms_per_token:.2f} ms/token ({r.speedup_vs_pipeline:.2f}x"

@@ -136,3 +136,21 @@ def test_decode_counters_and_the_stop_vote_equal_single_process(world, tmp_path)
         for rk in ranks:
             for who in ("first", "last", "all"):
                 assert rk[(mode, "stop-" + who)] == (ref.tokens, "on_tokens"), (mode, who, world)
+
+
+@pytest.mark.parametrize("seq, par, why", [
+    ([10.0, 10.1], [5.0, 5.1], "2 runs a side are too few"),  # spreads clear of 1: a tie by the count alone
+    ([10.0, 11.0, 10.5], [9.0, 12.0, 10.0], ": tie)"),  # spreads holding 1
+])
+def test_prefill_line_says_why_a_speedup_ties(seq, par, why):
+    """bench --distributed printed "p10-p90 spreads allow 1.27-1.99x: tie": a range clear of 1 called a tie with no
+    reason (too few runs for separated spreads to mean a difference); the line now says which rule tied it."""
+    from snlp.apps.dist import dist_bench_row, prefill_line
+
+    rec = dict(what="prefill", plan="4xF1-h0-K1", world_size=2, tokens=4, batch=1, runs=len(seq),
+               chunks_per_rank=[[0, 2], [2, 4]], max_rank_bytes=1, memory_per_rank=[], pipeline_sequential_ms=10.0,
+               snlp_ms=5.0, speedup=2.0, h_S_broadcast_ms=0.1, prefix_ms_rank0=0.0, pipeline_sequential_times_ms=seq,
+               snlp_times_ms=par)
+    row = dist_bench_row(rec, loadavg=[], pinned=False, threads=1)
+    assert row.speedup_tie
+    assert why in prefill_line(2, row)
