@@ -84,12 +84,12 @@ def check_before_ranks(args, plans, ckpt, spec: ModelSpec | None = None) -> None
     check_world_fits(plans)
     for p in plans:
         check_distributable(p)
-    from snlp.io.checkpoint import is_snlp_checkpoint, load_config
     from snlp.method.preheat import FILENAME as PREHEAT_FILE
 
     preheat = [p for p in plans if p.init == "preheat"]
-    if ckpt and is_snlp_checkpoint(ckpt):  # anything else: RankCheckpoint refuses it with what it is
-        config = load_config(ckpt)
+    if ckpt:  # what every rank's RankCheckpoint refuses (a transformers folder, a .gguf file, no weights: with what
+        #      it is), refused here once; it reads the config and the weights' header only
+        config = RankCheckpoint(ckpt).config
         check_distributable(config=config)
         for p in plans:
             p.check_model(config)
@@ -146,6 +146,8 @@ def run_generate(args) -> int:
     check_source(args.ckpt, "checkpoint", hub=False)  # one line, with the closest names
     check_plans_fit(args.ckpt, [args.plan])  # its depth from the checkpoint's config, before any rank starts
     check_before_ranks(args, [Plan.parse(args.plan)], args.ckpt)  # a chunk for every rank, a distributed surrogate
+    if RankCheckpoint(args.ckpt).tokenizer() is None:  # as snlp.apps.generate.run, before any rank reads weights
+        raise ValueError(f"checkpoint {args.ckpt} has no tokenizer; save it with one to use `snlp generate`")
     if args.eos_id is not None:  # an id the model can never generate: as snlp.apps.generate.run, from the config
         from snlp.decode.session import stop_set
         from snlp.io.checkpoint import is_snlp_checkpoint, load_config

@@ -349,6 +349,34 @@ def test_distributed_refuses_a_smear_checkpoint_before_the_process_group(tmp_pat
     assert "distributed SNLP does not carry nanochat's smear / backout" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("what, msg", [("transformers", "is a transformers model directory"),
+                                       ("no-weights", "has no model.safetensors"), ("no-tokenizer", "has no tokenizer")])
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_distributed_refuses_what_no_rank_can_load_before_the_process_group(what, msg, command, tmp_path, capsys,
+                                                                           monkeypatch):
+    """A folder every rank's RankCheckpoint refuses (a transformers export, a checkpoint missing its weights) or
+    generate cannot decode text with (no tokenizer) was refused by every rank after the group started; now once,
+    before it (unset torchrun environment: a later refusal would be the missing-environment one)."""
+    import json
+
+    from snlp.apps.cli import main
+    from snlp.io.checkpoint import save_checkpoint
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    if what == "no-tokenizer" and command == "bench":
+        pytest.skip("bench reads no text")
+    ckpt = save_checkpoint(tmp_path / "c", make_model(seed=0, n_embd=16, n_layer=4, dtype=torch.float32))
+    if what == "transformers":
+        (ckpt / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    elif what == "no-weights":
+        (ckpt / "model.safetensors").unlink()
+    argv = (["generate", str(ckpt), "--distributed", "--mode", "snlp", "--plan", "2xF1-h0-K1"] if command == "generate"
+            else ["bench", "--distributed", "--ckpt", str(ckpt), "--plans", "2xF1-h0-K1"])
+    assert main(argv) == 2
+    assert msg in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf")])
 def test_init_distributed_refuses_a_timeout_c10d_cannot_keep(timeout, monkeypatch):
     """0 or a negative timeout is an already expired deadline in c10d (every rank's rendezvous fails with a C++
