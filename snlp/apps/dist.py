@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from pathlib import Path
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
@@ -70,10 +71,12 @@ def check_world_fits(plans) -> None:
         partition(p.chunks, int(world))
 
 
-def check_before_ranks(args, plans, ckpt) -> None:
+def check_before_ranks(args, plans, ckpt, spec: ModelSpec | None = None) -> None:
     """What every rank would refuse, refused once before any process group starts: the --dist-timeout, a chunk for
-    every rank, plans whose surrogate has no distributed form and a checkpoint with nanochat's smear / backout (a
-    bench over several plans would otherwise time the first ones, then fail on a later one)."""
+    every rank, plans whose surrogate has no distributed form, a checkpoint with nanochat's smear / backout, a plan
+    the model's residual stream cannot take (hcn without mHC) and a preheat plan without a calibration (a bench over
+    several plans would otherwise time the first ones, then fail on a later one). `spec`: bench's random-weights
+    model, which has no calibration to read."""
     try:
         check_timeout(args.dist_timeout)
     except ValueError:
@@ -81,10 +84,26 @@ def check_before_ranks(args, plans, ckpt) -> None:
     check_world_fits(plans)
     for p in plans:
         check_distributable(p)
-    from snlp.io.checkpoint import is_snlp_checkpoint, load_config
+    from snlp.method.preheat import FILENAME as PREHEAT_FILE
 
-    if ckpt and is_snlp_checkpoint(ckpt):  # anything else: RankCheckpoint refuses it with what it is
-        check_distributable(config=load_config(ckpt))
+    preheat = [p for p in plans if p.init == "preheat"]
+    if ckpt:  # what every rank's RankCheckpoint refuses (a transformers folder, a .gguf file, no weights: with what
+        #      it is), refused here once; it reads the config and the weights' header only
+        config = RankCheckpoint(ckpt).config
+        check_distributable(config=config)
+        for p in plans:
+            p.check_model(config)
+        if preheat and not (Path(ckpt) / PREHEAT_FILE).is_file():  # as snlp.apps.common.plans_preheat
+            raise ValueError(f"plan {preheat[0]} starts from the preheat init but checkpoint {ckpt} has no "
+                             f"calibration: run `snlp calibrate {ckpt}` first")
+    elif spec is not None and not ckpt:
+        if preheat:
+            raise ValueError(f"plan {preheat[0]} starts from the preheat init, which needs a calibrated checkpoint: "
+                             f"give --ckpt CKPT (after `snlp calibrate CKPT`); random weights have no calibration")
+        for p in plans:
+            if p.surrogate.needs_mhc and spec.hc_streams < 1:
+                raise ValueError(f"plan {p}: the {p.surrogate.token} surrogate needs an mHC model: give --hc-streams "
+                                 f"N >= 1, or use idn")
 
 
 def refuse_compile(args) -> None:
@@ -127,6 +146,14 @@ def run_generate(args) -> int:
     check_source(args.ckpt, "checkpoint", hub=False)  # one line, with the closest names
     check_plans_fit(args.ckpt, [args.plan])  # its depth from the checkpoint's config, before any rank starts
     check_before_ranks(args, [Plan.parse(args.plan)], args.ckpt)  # a chunk for every rank, a distributed surrogate
+    if RankCheckpoint(args.ckpt).tokenizer() is None:  # as snlp.apps.generate.run, before any rank reads weights
+        raise ValueError(f"checkpoint {args.ckpt} has no tokenizer; save it with one to use `snlp generate`")
+    if args.eos_id is not None:  # an id the model can never generate: as snlp.apps.generate.run, from the config
+        from snlp.decode.session import stop_set
+        from snlp.io.checkpoint import is_snlp_checkpoint, load_config
+
+        if is_snlp_checkpoint(args.ckpt):
+            stop_set(args.eos_id, load_config(args.ckpt).vocab_size)
     return _run_ranked("generate", args, lambda rank, world, device, cores: _run_generate_ranked(args, rank, world,
                                                                                                  device, cores))
 
@@ -155,26 +182,29 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
         eos_id = (list(tok.chat_stop_ids) or None) if eos_id is None else eos_id
     else:
         prompt = tok.prompt_ids(args.prompt)
+    if rank == 0:  # snlp.apps.generate.run's notes: an empty prompt, a decode reaching past the trained context
+        from snlp.apps.generate import past_context
+
+        if not args.prompt and not getattr(args, "chat", False):
+            print("snlp generate: the prompt is empty: generating from the tokenizer's BOS alone (give --prompt TEXT "
+                  "to continue a text)", file=sys.stderr)
+        past_context(ckpt, len(prompt), args.max_new_tokens)
     runner = DistributedSNLP(ckpt.meta_model(), plan, keep_layers=args.mode != "snlp", checkpoint=ckpt,
                              preheat=ckpt.preheat() if plan.init == "preheat" else None)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, eos_id=eos_id,
               seed=args.seed, top_k=args.top_k, top_p=args.top_p, repetition_penalty=penalty)
-    out: list[int] = []
-    printed = [""]
+    # rank 0 streams as snlp.apps.generate.run does: the prompt with the first tokens (a chat's on a line of its own),
+    # a chat's end-of-turn stop not printed (the summary line names it)
+    from snlp.apps.generate import streamer
 
-    def stream(new: list[int]) -> None:
-        out.extend(new)
-        text = tok.decode(out, mark_missing=True)
-        print(text[len(printed[0]):], end="", flush=True)
-        printed[0] = text
-
-    if rank == 0 and not args.quiet:
-        print(args.prompt, end="", flush=True)
+    hide = ([eos_id] if isinstance(eos_id, int) else eos_id or []) if getattr(args, "chat", False) else []
+    stream = streamer(tok, hide, head=args.prompt + ("\n" if getattr(args, "chat", False) else "")) \
+        if rank == 0 and not args.quiet else None
     base = None
     if args.mode == "speculative" and not args.no_baseline:
         base = runner.generate(prompt, "sequential", **kw)
     res = runner.generate(prompt, args.mode, block=args.block,
-                          on_tokens=stream if rank == 0 and not args.quiet else None, **kw)
+                          on_tokens=stream, **kw)
     rounds = []  # as snlp.apps.generate.run: the runs above warm both sides up, then --repeats timed rounds of each
     window = None
     if base is not None:
@@ -188,15 +218,21 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
             rounds.append((got["sequential"], got[args.mode]))
         if window is not None:
             window.close()
-    mem = gather_objects(runner.memory())
+    mem = gather_objects(runner.memory(max_len=len(prompt) + args.max_new_tokens))  # the decodes' KV window too
     if rank == 0:
-        if not args.quiet:
+        if stream is not None:
+            stream.flush_head()
             print()
         record = {"tokens": res.tokens, "text": tok.decode(res.tokens, mark_missing=True), "world_size": world,
                   "chunks_per_rank": [list(b) for b in partition(plan.chunks, world)], "memory_per_rank": mem,
                   **{k: v for k, v in res.to_dict().items() if k != "tokens"}}
         stats = (f"[distributed {res.mode} {plan} over {world} ranks] {len(res.tokens)} tokens, "
                  f"{res.tokens_per_s:.1f} tok/s{' in this one run' if base is not None else ''}, stop: {res.stop}")
+        if res.mode == "speculative":  # as snlp generate's line: the block and the acceptance, --no-baseline or not
+            from snlp.apps.common import NO_DRAFTS
+
+            alpha = f"alpha={res.acceptance_rate:.3f}" if res.examined else NO_DRAFTS
+            stats += f", B={res.block}, {alpha}, tokens/round={res.tokens_per_round:.2f}"
         if base is not None:
             from statistics import median as med
 
@@ -216,10 +252,7 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
             # as snlp.apps.generate: the streamed run's rate ran once at its own moment's load; the warm medians
             # of both sides stand beside the ratio, and the ratio says whether the paired runs resolve it; the
             # ratios' range holds both the median ratio and the ratio of the two medians, which can differ in sign
-            from snlp.apps.common import NO_DRAFTS
-
-            alpha = f"alpha={res.acceptance_rate:.3f}" if res.examined else NO_DRAFTS
-            stats += (f", {alpha}, tokens/round={res.tokens_per_round:.2f}; timed over "
+            stats += (f"; timed over "
                       f"{len(rounds)} runs of each after a warm-up: speculative "
                       f"{record['speculative_tokens_per_s']:.1f} tok/s, pipelined sequential "
                       f"{record['pipeline_sequential_tokens_per_s']:.1f} tok/s (each side's own median), speedup "
@@ -349,6 +382,17 @@ def run_bench(args, spec: ModelSpec, unread_flags) -> int:
     if len(counts) != 1:
         raise ValueError(f"--distributed takes one --tokens value (got {','.join(map(str, counts))})")
     unread_flags(args, "distributed --decode" if args.decode else "distributed")  # e.g. --simulate-devices' flags
+    # the counts the single-process bench refuses (snlp.apps.bench.run, snlp.bench.decode), refused here too: every
+    # rank would otherwise fail late (--runs 0: the median of no runs) or run something else (--blocks 0 ran B = 1
+    # under a row that names no block)
+    if args.batch < 1 or args.runs < 1 or args.warmup < 0:
+        raise ValueError("--tokens, --batch and --runs must be >= 1 and --warmup >= 0")
+    if getattr(args, "threads", None) is not None and args.threads < 1:  # as set_threads refuses it on every rank
+        raise ValueError("--threads must be >= 1")
+    if args.decode:
+        blocks = dist_blocks(args.blocks)
+        if args.prompt_len < 1 or args.new_tokens < 1 or not blocks or min(blocks) < 1:
+            raise ValueError("--prompt-len, --new-tokens and every block size must be >= 1")
     from snlp.apps.common import check_plans_fit, check_plans_grammar
 
     plans = check_plans_grammar(args.plans)
@@ -356,9 +400,32 @@ def run_bench(args, spec: ModelSpec, unread_flags) -> int:
     if not spec.ckpt:  # random weights: the depth is --depth's (every rank would refuse a too deep plan alike)
         for p in plans:
             p.check(spec.depth)
-    check_before_ranks(args, plans, spec.ckpt)
+    check_before_ranks(args, plans, spec.ckpt, spec)
     return _run_ranked("bench", args, lambda rank, world, device, cores: _run_bench_ranked(args, spec, rank, world,
                                                                                             device, cores))
+
+
+def prefill_line(world: int, r: DistPrefillRow) -> str:
+    """A prefill row's line. Its speedup is a tie where the p10-p90 spreads' range holds 1, or where each side has
+    too few timings for separated spreads to mean a difference (snlp.bench.stats.spread_verdict): the line says
+    which, since a range clear of 1 read beside "tie" looks like a contradiction."""
+    spread = ""
+    if r.speedup_lo is not None:
+        spread = f", p10-p90 spreads allow {r.speedup_lo:.2f}-{r.speedup_hi:.2f}x"
+        if r.speedup_tie:
+            spread += ": tie" if r.speedup_lo <= 1.0 <= r.speedup_hi else \
+                f": tie, {r.runs} runs a side are too few for separated spreads to tell a difference"
+    return (f"[{world} ranks] {r.plan} prefill T={r.tokens} B={r.batch}: pipelined sequential "
+            f"{r.pipeline_sequential_ms:.2f} ms, distributed SNLP {r.snlp_ms:.2f} ms "
+            f"({r.speedup:.2f}x{spread}); max rank memory {r.max_rank_bytes / 1e6:.1f} MB")
+
+
+def dist_blocks(text: str) -> tuple[int, ...]:
+    """--blocks B1,B2,... as integers, in the single-process bench's words where they are not."""
+    try:
+        return tuple(int(b) for b in text.split(",") if b.strip())
+    except ValueError:
+        raise ValueError(f"--blocks must be comma-separated integers, got {text!r}") from None
 
 
 def rank_load(device, cores: int, rank: int, remedy: bool) -> tuple[LoadWindow | None, int]:
@@ -388,7 +455,7 @@ def _run_bench_ranked(args, spec: ModelSpec, rank: int, world: int, device, core
         model_fn = lambda: build_model(spec).to(device=device, dtype=dtype).eval()  # noqa: E731  same seed everywhere
         L = spec.depth
     plans = parse_plans(args.plans, L)
-    blocks = tuple(int(b) for b in args.blocks.split(",") if b.strip())
+    blocks = dist_blocks(args.blocks)
     counts = args.tokens if isinstance(args.tokens, tuple) else (args.tokens,)
     window, own = rank_load(device, cores, rank, torch.get_num_threads() > 1)
     recs = distributed_benchmark(model_fn, plans, counts[0], args.batch, args.warmup, args.runs, spec.seed,
@@ -401,11 +468,7 @@ def _run_bench_ranked(args, spec: ModelSpec, rank: int, world: int, device, core
                 for r in recs]
         for r in rows:
             if isinstance(r, DistPrefillRow):
-                spread = "" if r.speedup_lo is None else (f", p10-p90 spreads allow {r.speedup_lo:.2f}-"
-                                                           f"{r.speedup_hi:.2f}x" + (": tie" if r.speedup_tie else ""))
-                print(f"[{world} ranks] {r.plan} prefill T={r.tokens} B={r.batch}: pipelined sequential "
-                      f"{r.pipeline_sequential_ms:.2f} ms, distributed SNLP {r.snlp_ms:.2f} ms "
-                      f"({r.speedup:.2f}x{spread}); max rank memory {r.max_rank_bytes / 1e6:.1f} MB")
+                print(prefill_line(world, r))
             else:
                 print(f"[{world} ranks] {r.plan} decode {r.mode}{' B=' + str(r.block) if r.block else ''}: "
                       f"{r.ms_per_token:.2f} ms/token ({r.speedup_vs_pipeline:.2f}x"

@@ -76,7 +76,7 @@ from snlp.method.plan import Plan
 from snlp.method.scan import affine_scan
 from snlp.decode.penalty import check_repetition_penalty
 from snlp.decode.session import (DecodeSession, GenerateResult, Sampling, check_decode_args, check_picked,
-                                 cut_at_stop, make_generator, sampling)
+                                 check_stream, cut_at_stop, make_generator, sampling)
 from snlp.decode.speculative import penalised_draft_pick, speculative_verdict
 from snlp.method.preheat import Preheat
 from snlp.runtime.timing import now, round_order
@@ -381,8 +381,10 @@ class DistributedSNLP:
             self.w.ve_slot = lut.to(self.w.ve_slot.device)[self.w.ve_slot]
 
     # ----- memory -----
-    def memory(self, cache: KVCache | None = None) -> dict:
-        """Bytes this rank holds: fused chunk weights, the model parameters it kept, and its KV window."""
+    def memory(self, cache: KVCache | None = None, max_len: int | None = None) -> dict:
+        """Bytes this rank holds: fused chunk weights, the model parameters it kept, and its KV window: `cache`'s, or
+        the window `new_cache(max_len)` allocates (a decode of a prompt of n tokens and N new ones holds n + N
+        positions); kv_bytes is 0 with neither (a prefill without a cache)."""
         def nbytes(obj) -> int:
             if isinstance(obj, Tensor):
                 return obj.numel() * obj.element_size()
@@ -393,7 +395,11 @@ class DistributedSNLP:
             return 0
         fused = nbytes(self.w)
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        kv = 0 if cache is None else nbytes(cache.k) + nbytes(cache.v)
+        if cache is None and max_len is not None:  # the window's two tensors, K and V, without allocating them
+            cfg, p = self.model.config, self.model.wte.weight
+            kv = 2 * (self.stop - self.first) * cfg.n_kv_head * max_len * cfg.head_dim * p.element_size()
+        else:
+            kv = 0 if cache is None else nbytes(cache.k) + nbytes(cache.v)
         return {"fused_weight_bytes": fused, "param_bytes": params, "kv_bytes": kv, "total_bytes": fused + params + kv}
 
     def new_cache(self, max_len: int, batch: int = 1) -> WindowKVCache:
@@ -586,8 +592,10 @@ class DistributedSNLP:
         timing) is snlp.decode's DecodeSession, the same as single-process decoding; what differs is that only
         the last rank has logits: it picks, and every rank follows the broadcast tokens. `top_k` / `top_p`: the
         sampled distribution filtered as in snlp.decode's `sequential_generate` (snlp.decode.session.Sampling).
-        `on_tokens` runs on every rank with the same tokens: one that returns True to end the decode (check_stream)
-        must return it on every rank, or the ranks part ways. `repetition_penalty`: as in `sequential_generate`
+        `on_tokens` (a rank's own, or None) runs on its rank with the same tokens as every other rank's; a True from
+        any rank's ends the decode on every rank after the same tokens (check_stream's stop "on_tokens"): the ranks
+        learn whether any holds a callback once per call, and where one does they reduce the stop votes after every
+        emitted batch of tokens (one small all_reduce, inside the decode time). `repetition_penalty`: as in `sequential_generate`
         (snlp.decode.penalty), applied where the tokens are picked: the last rank holds the seen ids (its session's
         penalty state) and penalises its logits before every pick, a speculative round's drafter and verifier as the
         single-process round does; the other ranks learn the tokens from the broadcast, as without a penalty."""
@@ -596,7 +604,7 @@ class DistributedSNLP:
         check_decode_args(max_new_tokens, temperature, block if mode == "speculative" else None)
         how = sampling(temperature, top_k, top_p, seed)
         penalty = check_repetition_penalty(repetition_penalty)
-        ses = DecodeSession(self.model, prompt_ids, max_new_tokens, eos_id, max_len, on_tokens, mode,
+        ses = DecodeSession(self.model, prompt_ids, max_new_tokens, eos_id, max_len, self._voted(on_tokens), mode,
                             make_cache=self.new_cache, penalty=penalty if self.rank == self.last else 1.0)
         ses.result.plan = None if mode == "sequential" else str(self.plan)
         ses.result.block = block if mode == "speculative" else 0
@@ -618,6 +626,7 @@ class DistributedSNLP:
             if mode == "speculative":
                 self._speculative_round(ses, snlp, seq, block, how, gen)
             else:
+                t1 = time.perf_counter()
                 logits = (snlp if mode == "snlp" else seq)([ses.last])
                 ses.result.forwards += 1
                 # the last rank's pick, penalised and marked seen there (DecodeSession.pick_tensor)
@@ -627,8 +636,35 @@ class DistributedSNLP:
                 # NaN/inf logits (NONFINITE, broadcast like a token): every rank raises, none waits; plan None: the
                 # model's own forward
                 check_picked(toks, self.plan if mode == "snlp" else None, len(ses.out))
+                # the single-process decoders' step counters: forward and pick (the broadcast read waited for both)
+                ses.result.steps += 1
+                ses.result.step_s += time.perf_counter() - t1
                 ses.emit(toks)
         return ses.finish()
+
+    def _voted(self, on_tokens):
+        """`on_tokens` as DecodeSession calls it, with the stop decided by all ranks: None where no rank holds a
+        callback (no collective per token); else a callback returning True on every rank iff some rank's returned
+        True (DecodeSession calls it on every rank after the same emitted tokens). A malformed callback on any rank
+        is refused on all of them (check_stream's TypeError), before any rank decodes."""
+        try:
+            check_stream(on_tokens)
+            bad = None
+        except TypeError as e:
+            bad = str(e)
+        seen = gather_objects((on_tokens is not None, bad))
+        for r, (_, why) in enumerate(seen):
+            if why:
+                raise TypeError(f"rank {r}: {why}")
+        if not any(has for has, _ in seen):
+            return None
+
+        def voted(new: list[int]) -> bool:
+            stop = torch.tensor([int(on_tokens is not None and on_tokens(new) is True)], device=self.device)
+            with _comm("all_reduce of the on_tokens stop votes"):
+                dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+            return bool(stop[0])
+        return voted
 
     def _speculative_round(self, ses: DecodeSession, snlp, seq, block: int, how: Sampling, gen) -> None:
         """One self-speculative round: B distributed SNLP drafter steps, one pipelined verification of the B+1
@@ -733,7 +769,13 @@ def distributed_benchmark(model_fn, plans: list[Plan], tokens: int, batch: int, 
                      "pipeline_sequential_times_ms": pipe, "snlp_times_ms": par})
         if decode:
             prompt = torch.randint(0, V, (prompt_len,), generator=gen).tolist()
-            modes = [("sequential", 0), ("snlp", 0)] + [("speculative", b) for b in blocks]
+            # a decode holds its KV window (prompt + new tokens) beside the weights: the decode rows count it
+            dmem = gather_objects(runner.memory(max_len=prompt_len + new_tokens))
+            # and decodes one prompt: batch 1 whatever the prefill's batch
+            dbase = dict(base, batch=1, max_rank_bytes=max(m["total_bytes"] for m in dmem), memory_per_rank=dmem)
+            # a block named twice is one row, as in the single-process decode benchmark (its runs keyed by block):
+            # listed twice it ran twice a round into one row's runs, which then paired with the wrong sequential runs
+            modes = [("sequential", 0), ("snlp", 0)] + [("speculative", b) for b in dict.fromkeys(blocks)]
             res: dict = {m: [] for m in modes}
             for i in range(warmup + runs):
                 for mode, b in round_order(modes, i):  # rotated, so no mode always runs first
@@ -744,7 +786,7 @@ def distributed_benchmark(model_fn, plans: list[Plan], tokens: int, batch: int, 
             ref = res[("sequential", 0)][0].tokens
             for (mode, b), rs in res.items():
                 ms = statistics.median(1e3 * r.decode_s / len(r.tokens) for r in rs)
-                rec = {**base, "what": "decode", "mode": mode, "block": b or None, "ms_per_token": ms,
+                rec = {**dbase, "what": "decode", "mode": mode, "block": b or None, "ms_per_token": ms,
                        "speedup_vs_pipeline": seq_ms / ms, "matches_sequential": rs[0].tokens == ref,
                        "prompt_len": prompt_len, "new_tokens": new_tokens,
                        # run i of every mode ran in round i (paired with the sequential row's run i)

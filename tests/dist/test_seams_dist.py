@@ -152,6 +152,14 @@ def test_distributed_generate_honours_chat_and_repeats(chat_ckpt, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     rec = json.loads((tmp_path / "dist.json").read_text())
     assert rec["tokens"] == ref and rec["stop"] == "eos"  # the chat prompt, stopped at the chat EOS
+    # memory_per_rank counts the KV window the decodes held (prompt + --max-new-tokens positions of every layer,
+    # split over the ranks); it said kv_bytes 0
+    from snlp.io.checkpoint import load
+
+    model, tok = load(ckpt)
+    cfg, n = model.config, len(tok.chat_prompt([{"role": "user", "content": CHAT_PROMPT}])) + CHAT_NEW
+    kv = [m["kv_bytes"] for m in rec["memory_per_rank"]]
+    assert sum(kv) == 2 * cfg.n_layer * cfg.n_kv_head * n * cfg.head_dim * 4 and min(kv) > 0  # fp32
     assert rec["matches_sequential"] and rec["sequential_tokens"] == ref
     assert rec["repeats"] == 2 and rec["measured_speedup"] > 0 and "timed over 2 runs of each" in out.stdout
     # 2 paired runs cannot resolve the ratio, and the line says so instead of printing it as a result
@@ -159,6 +167,51 @@ def test_distributed_generate_honours_chat_and_repeats(chat_ckpt, tmp_path):
     # each rate is its own side's median: the paired ratios' range, which holds their ratio too, stands beside them
     lo, hi = rec["speedup_range"]
     assert f"which ran {lo:.2f}-{hi:.2f}x" in out.stdout and "(each side's own median)" in out.stdout
+
+
+def test_distributed_generate_streams_what_single_process_generate_streams(chat_ckpt, capsys):
+    """rank 0 streamed a chat's end-of-turn stop as text (<|assistant_end|>) and the reply on the prompt's line, where
+    `snlp generate` puts the reply on a line of its own and hides the stop (the summary line names it): the streamed
+    text is now the single-process command's, the summary line aside."""
+    import subprocess
+    import sys
+
+    from snlp.apps.cli import main
+
+    ckpt, ref = chat_ckpt
+    args = ["generate", str(ckpt), "--chat", "--prompt", CHAT_PROMPT, "--mode", "snlp", "--plan", "2xF1-h0-K1",
+            "--max-new-tokens", str(CHAT_NEW), "--device", "cpu"]
+    assert main(args) == 0
+    single = capsys.readouterr().out.splitlines()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_free_port()}",
+           "-m", "snlp", *args, "--distributed"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, out.stderr[-3000:]
+    dist = out.stdout.splitlines()
+    assert single[-1].startswith("[snlp ") and dist[-1].startswith("[distributed snlp ")
+    assert dist[:-1] == single[:-1] and single[0] == CHAT_PROMPT
+
+
+def test_distributed_generate_says_what_single_process_generate_says(chat_ckpt):
+    """--mode speculative --no-baseline printed no block, alpha or tokens/round (snlp generate's line has them
+    whether it times a baseline or not), and the notes on an empty prompt and on a decode that may run past the
+    trained context were never said."""
+    import subprocess
+    import sys
+
+    from snlp.io.checkpoint import load_config
+
+    ckpt, _ = chat_ckpt
+    n = load_config(ckpt).sequence_len
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_free_port()}",
+           "-m", "snlp", "generate", str(ckpt), "--distributed", "--prompt", "", "--mode", "speculative", "--plan",
+           "2xF1-h0-K1", "--block", "3", "--no-baseline", "--max-new-tokens", str(n), "--quiet"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert ", B=3, alpha=" in out.stdout and "tokens/round=" in out.stdout
+    assert "the prompt is empty" in out.stderr and "past the model's trained context" in out.stderr
 
 
 def test_distributed_generate_applies_the_repetition_penalty(chat_ckpt, tmp_path):
@@ -215,6 +268,25 @@ def test_distributed_generate_applies_the_repetition_penalty(chat_ckpt, tmp_path
      "the newton surrogate is not available distributed"),
     (["bench", "--distributed", "--depth", "4", "--plans", "8xF1-h0-K1"],
      "plan 8xF1-h0-K1 needs a suffix of N = 8x1 = 8 layers but the model has only L = 4"),
+    # what every rank would refuse once the model is open, refused from the checkpoint's config before the group
+    (["generate", "{ckpt}", "--distributed", "--mode", "snlp", "--plan", "2xF1-h0-K1", "--eos-id", "5000"],
+     "eos_id 5000 holds ids outside the model's vocabulary"),
+    (["generate", "{ckpt}", "--distributed", "--mode", "snlp", "--plan", "2xF1-h0-K1-hcn"],
+     "the hcn surrogate needs an mHC model"),
+    (["generate", "{ckpt}", "--distributed", "--mode", "speculative", "--plan", "2xF1-preheat-K1"],
+     "starts from the preheat init but checkpoint"),
+    (["bench", "--distributed", "--depth", "4", "--plans", "4xF1-preheat-K1"],
+     "random weights have no calibration"),
+    (["bench", "--distributed", "--depth", "4", "--plans", "4xF1-h0-K1-hcn"], "the hcn surrogate needs an mHC model"),
+    # the single-process bench's counts (--runs 0 failed every rank on the median of no runs; --blocks 0 ran B = 1)
+    (["bench", "--distributed", "--depth", "4", "--runs", "0"], "--tokens, --batch and --runs must be >= 1"),
+    (["bench", "--distributed", "--depth", "4", "--batch", "0"], "--tokens, --batch and --runs must be >= 1"),
+    (["bench", "--distributed", "--depth", "4", "--warmup", "-1"], "--warmup >= 0"),
+    (["bench", "--distributed", "--depth", "4", "--threads", "0"], "--threads must be >= 1"),
+    (["bench", "--distributed", "--depth", "4", "--decode", "--blocks", "0"], "every block size must be >= 1"),
+    (["bench", "--distributed", "--depth", "4", "--decode", "--blocks", "2,x"], "--blocks must be comma-separated"),
+    (["bench", "--distributed", "--depth", "4", "--decode", "--new-tokens", "0"], "--new-tokens and every block"),
+    (["bench", "--distributed", "--depth", "4", "--decode", "--prompt-len", "0"], "--prompt-len, --new-tokens"),
     # flags the run does not read would change nothing
     (["bench", "--distributed", "--depth", "4", "--link-gbps", "5"],
      "--link-gbps is not read by `snlp bench --distributed` without --decode"),
@@ -234,9 +306,13 @@ def test_distributed_generate_applies_the_repetition_penalty(chat_ckpt, tmp_path
     (["bench", "--simulate-devices", "2", "--shape", "3B", "--roofline-gbytes", "100", "--tokens", "1,4"],
      "--simulate-devices takes one --tokens value (got 1,4)"),
 ])
-def test_distributed_refuses_what_it_cannot_honour(chat_ckpt, argv, msg, capsys):
-    """Refused before any process group is set up (no torchrun needed to see the error)."""
+def test_distributed_refuses_what_it_cannot_honour(chat_ckpt, argv, msg, capsys, monkeypatch):
+    """Refused before any process group is set up (no torchrun environment: a refusal that came later would be the
+    missing-environment one)."""
     from snlp.apps.cli import main
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
 
     assert main([a.format(ckpt=chat_ckpt[0]) for a in argv]) == 2
     assert msg in capsys.readouterr().err
@@ -271,6 +347,34 @@ def test_distributed_refuses_a_smear_checkpoint_before_the_process_group(tmp_pat
     assert "distributed SNLP does not carry nanochat's smear / backout" in capsys.readouterr().err
     assert main(["bench", "--distributed", "--ckpt", str(ckpt), "--plans", "2xF1-h0-K1"]) == 2
     assert "distributed SNLP does not carry nanochat's smear / backout" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("what, msg", [("transformers", "is a transformers model directory"),
+                                       ("no-weights", "has no model.safetensors"), ("no-tokenizer", "has no tokenizer")])
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_distributed_refuses_what_no_rank_can_load_before_the_process_group(what, msg, command, tmp_path, capsys,
+                                                                           monkeypatch):
+    """A folder every rank's RankCheckpoint refuses (a transformers export, a checkpoint missing its weights) or
+    generate cannot decode text with (no tokenizer) was refused by every rank after the group started; now once,
+    before it (unset torchrun environment: a later refusal would be the missing-environment one)."""
+    import json
+
+    from snlp.apps.cli import main
+    from snlp.io.checkpoint import save_checkpoint
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    if what == "no-tokenizer" and command == "bench":
+        pytest.skip("bench reads no text")
+    ckpt = save_checkpoint(tmp_path / "c", make_model(seed=0, n_embd=16, n_layer=4, dtype=torch.float32))
+    if what == "transformers":
+        (ckpt / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    elif what == "no-weights":
+        (ckpt / "model.safetensors").unlink()
+    argv = (["generate", str(ckpt), "--distributed", "--mode", "snlp", "--plan", "2xF1-h0-K1"] if command == "generate"
+            else ["bench", "--distributed", "--ckpt", str(ckpt), "--plans", "2xF1-h0-K1"])
+    assert main(argv) == 2
+    assert msg in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf")])
