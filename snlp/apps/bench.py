@@ -607,7 +607,7 @@ def run_batch_decode(args, model: GPT, plans: list[Plan], blocks: tuple[int, ...
 def bench_penalty(args) -> float:
     """The repetition penalty `snlp bench --decode` decodes with: --repetition-penalty (checked in the flag's
     words), else a converted --ckpt's generation_config value (as `snlp generate` applies it), else 1 (none)."""
-    from snlp.apps.generate import check_penalty_flag, resolve_penalty
+    from snlp.apps.generation_defaults import check_penalty_flag, resolve_penalty
     from snlp.io.checkpoint import checkpoint_tokenizer
 
     check_penalty_flag(args.repetition_penalty)
@@ -839,7 +839,7 @@ def run_decode_suite_cli(args, command: str) -> int:
         return 0
     if args.alpha:
         raise ValueError("--alpha prices the random-weights prediction: use it with --shapes")
-    from snlp.apps.generate import check_penalty_flag
+    from snlp.apps.generation_defaults import check_penalty_flag
 
     check_penalty_flag(args.repetition_penalty)  # in the flag's words (the suite's own check names its field)
     check_plans_fit(args.ckpt, plans or ())  # --suite-plans against the checkpoint's depth, before its weights load

@@ -136,7 +136,7 @@ def run_generate(args) -> int:
 
     check_decode_args(args.max_new_tokens, args.temperature, args.block if args.mode == "speculative" else None)
     sampling(args.temperature, args.top_k, args.top_p)
-    from snlp.apps.generate import check_penalty_flag
+    from snlp.apps.generation_defaults import check_penalty_flag
 
     check_penalty_flag(getattr(args, "repetition_penalty", None))
     if args.eos_id is not None and args.eos_id < 0:
@@ -165,7 +165,7 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
     if tok is None:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer; save it with one to use `snlp generate`")
     plan = cli_plan(args.plan, ckpt.config.n_layer)
-    from snlp.apps.generate import resolve_penalty
+    from snlp.apps.generation_defaults import resolve_penalty
 
     given = getattr(args, "repetition_penalty", None) is not None
     penalty = resolve_penalty(args, tok)  # as snlp.apps.generate.run: the flag, else the generation config's, else 1
@@ -183,7 +183,7 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
     else:
         prompt = tok.prompt_ids(args.prompt)
     if rank == 0:  # snlp.apps.generate.run's notes: an empty prompt, a decode reaching past the trained context
-        from snlp.apps.generate import past_context
+        from snlp.apps.streaming import past_context
 
         if not args.prompt and not getattr(args, "chat", False):
             print("snlp generate: the prompt is empty: generating from the tokenizer's BOS alone (give --prompt TEXT "
@@ -195,7 +195,7 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
               seed=args.seed, top_k=args.top_k, top_p=args.top_p, repetition_penalty=penalty)
     # rank 0 streams as snlp.apps.generate.run does: the prompt with the first tokens (a chat's on a line of its own),
     # a chat's end-of-turn stop not printed (the summary line names it)
-    from snlp.apps.generate import streamer
+    from snlp.apps.streaming import streamer
 
     hide = ([eos_id] if isinstance(eos_id, int) else eos_id or []) if getattr(args, "chat", False) else []
     stream = streamer(tok, hide, head=args.prompt + ("\n" if getattr(args, "chat", False) else "")) \

@@ -11,7 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from snlp.apps.generation_defaults import defaults_note
+from snlp.apps.generation_defaults import check_penalty_flag, defaults_note, resolve_penalty
+from snlp.apps.streaming import past_context, streamer
 
 SUMMARY = "Generate text: sequential, SNLP, self-speculative or Jacobi decoding."
 DESCRIPTION = """\
@@ -214,31 +215,6 @@ def prompt_ids(args, tok) -> tuple[list[int], int | None]:
     return tok.prompt_ids(args.prompt), args.eos_id
 
 
-def streamer(tok, hide=(), head: str = ""):
-    """on_tokens callback printing the text as it grows (decoding everything so far keeps merges right); token ids
-    in `hide` (a chat's end-of-turn ids: the stop, which the summary line names) are not printed. `head` (the
-    echoed prompt) is written with the first tokens, not before the decode starts: the decoders check their inputs
-    against the loaded model (an --eos-id beyond its vocabulary, a surrogate its residual stream cannot take, ...)
-    before the first token, and a refusal must be the error line alone, not glued to a prompt already on stdout.
-    `on_tokens.flush_head()` writes it where no token was streamed."""
-    tokens, printed, hide, pending = [], [""], set(hide), [head]
-
-    def flush_head() -> None:
-        if pending[0]:
-            sys.stdout.write(pending[0])
-            pending[0] = ""
-
-    def on_tokens(new: list[int]) -> None:
-        flush_head()
-        tokens.extend(t for t in new if t not in hide)
-        text = tok.decode(tokens, mark_missing=True)
-        sys.stdout.write(text[len(printed[0]):])
-        sys.stdout.flush()
-        printed[0] = text
-    on_tokens.flush_head = flush_head
-    return on_tokens
-
-
 def decode(args, model, prompt, plan, preheat, eos_id, on_tokens, steps: dict | None = None, drafter=None):
     """One generate call in --mode; `steps` ({"seq": ..., "draft": ...}, prebuilt) lets several calls share compiled
     graphs (--prompts-file decodes one batch per call); `drafter`: an adapted drafter (`snlp adapt`)."""
@@ -306,27 +282,6 @@ def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict, draf
             f"{record['sequential_tokens_per_s']:.1f} tok/s (each side's own median), speedup measured "
             f"{rep.measured_speedup:.2f}x (the median of the paired per-run ratios, which ran "
             f"{ratio_range(rep.round_speedups)}: {verdict_text(rep.round_speedups)}{more}) vs ideal SSD {ideal}")
-
-
-def check_penalty_flag(p: float | None) -> None:
-    """--repetition-penalty P: a finite number > 0 (snlp.decode.penalty), refused in the flag's words."""
-    from snlp.decode.penalty import check_repetition_penalty
-
-    if p is not None:
-        try:
-            check_repetition_penalty(p)
-        except ValueError:
-            raise ValueError(f"--repetition-penalty must be a finite number > 0, 1 = none (got {p!r})") from None
-
-
-def resolve_penalty(args, tok) -> float:
-    """The repetition penalty this run applies: --repetition-penalty, else a converted model's generation_config
-    value (transformers' generate() applies it by default), else 1 (none)."""
-    from snlp.io.generation import model_repetition_penalty
-
-    if args.repetition_penalty is not None:
-        return float(args.repetition_penalty)
-    return model_repetition_penalty(tok, f"{args.ckpt}: its generation_config")
 
 
 def check_max_new_tokens(n: int) -> None:
@@ -409,15 +364,6 @@ def argparse_copy(args, **kw):
     for k, v in kw.items():
         setattr(new, k, v)
     return new
-
-
-def past_context(model, prompt_len: int, max_new: int) -> None:
-    """A stderr line when decoding may run past the context the model was trained on (its sequence_len): positions
-    beyond it are RoPE extrapolation, which decodes (snlp's cache has room) but is not the trained model's regime."""
-    n = model.config.sequence_len
-    if prompt_len + max_new > n:
-        print(f"snlp generate: the prompt ({prompt_len} tokens) + --max-new-tokens {max_new} may reach past the "
-              f"model's trained context ({n} tokens): positions past {n} are extrapolated", file=sys.stderr)
 
 
 def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:

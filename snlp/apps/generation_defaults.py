@@ -74,3 +74,24 @@ def defaults_note(defaults: dict, temperature: float, top_k: int, top_p: float, 
             parts.append(f"this run applies --repetition-penalty {repetition_penalty:g} where transformers' generate() "
                          f"applies {whose} repetition_penalty={defaults['repetition_penalty']}: outputs differ")
     return "snlp generate: " + "; ".join(parts) if parts else None
+
+
+def check_penalty_flag(p: float | None) -> None:
+    """--repetition-penalty P: a finite number > 0 (snlp.decode.penalty), refused in the flag's words."""
+    from snlp.decode.penalty import check_repetition_penalty
+
+    if p is not None:
+        try:
+            check_repetition_penalty(p)
+        except ValueError:
+            raise ValueError(f"--repetition-penalty must be a finite number > 0, 1 = none (got {p!r})") from None
+
+
+def resolve_penalty(args, tok) -> float:
+    """The repetition penalty this run applies: --repetition-penalty, else a converted model's generation_config
+    value (transformers' generate() applies it by default), else 1 (none)."""
+    from snlp.io.generation import model_repetition_penalty
+
+    if args.repetition_penalty is not None:
+        return float(args.repetition_penalty)
+    return model_repetition_penalty(tok, f"{args.ckpt}: its generation_config")

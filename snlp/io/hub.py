@@ -25,7 +25,15 @@ import time
 import urllib.request
 from urllib.parse import urlparse
 
+TRUE = ("1", "on", "yes", "true")
 PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def hub_offline() -> bool:
+    """The hub's clients run offline: huggingface_hub reads HF_HUB_OFFLINE, and TRANSFORMERS_OFFLINE only where
+    HF_HUB_OFFLINE is unset or empty (`HF_HUB_OFFLINE=0 TRANSFORMERS_OFFLINE=1` is online), as a true value."""
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.strip().lower() in TRUE
 
 
 def proxied(scheme: str, host: str) -> bool:
@@ -130,8 +138,6 @@ def cache_only():
 def offline_if_unreachable():
     """A context that loads from the caches only where the hub cannot be reached (`unreachable`), else a no-op: wrap
     a hub load in it so an offline box answers from its cache, or fails, at once."""
-    from snlp.io.source import hub_offline
-
     if hub_offline() or unreachable() is None:  # offline by choice: the clients already read their caches only
         return contextlib.nullcontext()
     return cache_only()
@@ -141,6 +147,4 @@ def blocked() -> str | None:
     """Why a load from the hub would wait on a network that is not there (`unreachable`), or None: the hub answers,
     or the clients run offline by choice (HF_HUB_OFFLINE: they fail at once themselves). For what no cache serves,
     a streamed dataset: refuse it with this reason instead of waiting through the client's retries."""
-    from snlp.io.source import hub_offline
-
     return None if hub_offline() else unreachable()

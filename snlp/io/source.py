@@ -23,12 +23,13 @@ import os
 import re
 from pathlib import Path
 
+from snlp.io.hub import hub_offline  # noqa: F401  (read here; it lives with the probe)
+
 # org/name as the hub spells repository ids (huggingface_hub's validate_repo_id, with the org required: every
 # model family snlp converts is published under one)
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # suffixes of files, never of a hub repository: a name with one is a path ("Qwen2.5-0.5B" has the suffix ".5B")
 FILE_SUFFIXES = (".gguf", ".safetensors", ".json", ".pt", ".pth", ".bin", ".ckpt", ".npz", ".jsonl")
-TRUE = ("1", "on", "yes", "true")
 
 
 def home_path(name) -> Path:
@@ -42,13 +43,6 @@ def home_path(name) -> Path:
     if text.startswith("~") and os.path.lexists(text):
         return Path(text)
     return Path(os.path.expanduser(text))
-
-
-def hub_offline() -> bool:
-    """The hub's clients run offline: huggingface_hub reads HF_HUB_OFFLINE, and TRANSFORMERS_OFFLINE only where
-    HF_HUB_OFFLINE is unset or empty (`HF_HUB_OFFLINE=0 TRANSFORMERS_OFFLINE=1` is online), as a true value."""
-    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
-    return value.strip().lower() in TRUE
 
 
 def is_hub_id(name: str) -> bool:
