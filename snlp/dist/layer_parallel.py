@@ -652,11 +652,17 @@ class DistributedSNLP:
             bad = None
         except TypeError as e:
             bad = str(e)
-        seen = gather_objects((on_tokens is not None, bad))
-        for r, (_, why) in enumerate(seen):
-            if why:
-                raise TypeError(f"rank {r}: {why}")
-        if not any(has for has, _ in seen):
+        # one tensor all_reduce, not an object gather: that pickles through a device byte tensor (a host round trip
+        # per call on NCCL, and none at all on a tensor subclass such as a fake or traced device)
+        flags = torch.tensor([int(on_tokens is not None), int(bad is not None)], device=self.device)  # (2,)
+        with _comm("all_reduce of the on_tokens checks"):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if bad is not None:
+            raise TypeError(f"rank {self.rank}: {bad}")
+        has, other_bad = flags.tolist()
+        if other_bad:
+            raise TypeError("another rank's on_tokens was refused (not a callable of one argument): every rank stops")
+        if not has:
             return None
 
         def voted(new: list[int]) -> bool:
