@@ -341,8 +341,8 @@ def load(path, device="cpu", overrides: dict | None = None, need_tokenizer: str 
     path = home_path(path)
     if is_nanochat_dir(path):
         if need_tokenizer:
-            raise ValueError(f"nanochat checkpoint (its tokenizer is not converted) {path} has no {TOKENIZER_FILE}: "
-                             f"{need_tokenizer}")
+            raise ValueError(f"nanochat checkpoint {path} has no {TOKENIZER_FILE} (nanochat's tokenizer is not "
+                             f"converted): {need_tokenizer}")
         return load_nanochat(path, device=device, overrides=overrides), None
     if overrides:
         raise ValueError(f"overrides apply to nanochat checkpoints (model_NNNNNN.pt + meta_NNNNNN.json); {path} is "
