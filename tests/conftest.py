@@ -78,14 +78,23 @@ def mhc_model(seed: int = 0, n: int = 2, dynamic: bool = True, res_scale: float 
 
 
 @torch.no_grad()
-def argmax_loop(logits_fn, prompt: list[int], n: int, eos_id: int | None = None) -> list[int]:
+@torch.no_grad()
+def argmax_loop(logits_fn, prompt: list[int], n: int, eos_id: int | None = None, penalty: float = 1.0) -> list[int]:
     """The outside reference of greedy decoding: a full forward over the whole prefix per token (no KV cache, no
     static shapes), `logits_fn` ids (1, T) -> logits (1, T, V) (a model, or e.g. its fused forward); stops after
-    `eos_id` (one id, or any of a list of them)."""
+    `eos_id` (one id, or any of a list of them). `penalty` != 1: transformers' repetition penalty written out
+    (RepetitionPenaltyLogitsProcessor): every id already in the sequence, prompt included, has its float32 logit
+    divided by the penalty where positive and multiplied by it where negative, before the argmax."""
     stops = set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
     ids = list(prompt)
     for _ in range(n):
-        ids.append(int(logits_fn(torch.tensor([ids]))[0, -1].argmax()))
+        x = logits_fn(torch.tensor([ids]))[0, -1]
+        if penalty != 1.0:
+            x = x.float()
+            seen = torch.zeros_like(x, dtype=torch.bool)
+            seen[ids] = True
+            x = torch.where(seen, torch.where(x < 0, x * penalty, x / penalty), x)
+        ids.append(int(x.argmax()))
         if ids[-1] in stops:
             break
     return ids[len(prompt):]

@@ -185,7 +185,7 @@ def near_argmax_path(ref_model, prompt: list[int], got: list[int], n: int, eos: 
     """None if every produced token is within `delta` of the largest logit of `ref_model` (an fp64 copy) given the
     prompt and the tokens produced before it, and the run stopped where it should (n tokens, or at EOS); else why
     not. Teacher-forced along the produced path, so a low-precision cell is checked at every step it took.
-    `penalty`: the logits compared are penalised as transformers' repetition penalty does (`penalised_loop`) by the
+    `penalty`: the logits compared are penalised as transformers' repetition penalty does (conftest.argmax_loop with `penalty`) by the
     prompt and the tokens before it."""
     stops = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
     if len(got) != n and not (got and got[-1] in stops):
@@ -353,23 +353,6 @@ def test_decoding_cell_equals_its_reference_or_is_refused(cell, seed, n, eos, cf
             assert got == ref, f"{cell}: {got} != reference {ref}"
 
 
-@torch.no_grad()
-def penalised_loop(logits_fn, prompt: list[int], n: int, eos, penalty: float) -> list[int]:
-    """The argmax loop (conftest.argmax_loop: a full forward over the prefix per token) with transformers'
-    repetition penalty written out: every id already in the sequence, prompt included, has its float32 logit divided
-    by the penalty where positive and multiplied by it where negative (RepetitionPenaltyLogitsProcessor)."""
-    stops = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
-    ids = list(prompt)
-    for _ in range(n):
-        x = logits_fn(torch.tensor([ids]))[0, -1].float()
-        seen = torch.zeros_like(x, dtype=torch.bool)
-        seen[ids] = True
-        ids.append(int(torch.where(seen, torch.where(x < 0, x * penalty, x / penalty), x).argmax()))
-        if ids[-1] in stops:
-            break
-    return ids[len(prompt):]
-
-
 @settings(max_examples=examples(25), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(cell=cells(), seed=st.integers(0, 50), n=st.integers(4, 12), penalty=st.sampled_from([0.5, 1.05, 1.3, 2.0]),
@@ -403,7 +386,7 @@ def test_repetition_penalty_cell_equals_the_penalised_loop_or_is_refused(cell, s
             assert got == run(alone, m, p, preheat, n, eos, drafter, penalty=penalty).tokens, \
                 f"{cell}: row != its single-prompt run"
         else:
-            ref = penalised_loop(fn, p, n, eos, penalty)
+            ref = argmax_loop(fn, p, n, eos, penalty)
             assert got == ref, f"{cell}: {got} != penalised reference {ref}"
 
 

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from conftest import argmax_loop
 
 from snlp.apps.cli import main
 from snlp.bench.decode_suite import DecodeSuiteConfig, markdown, random_llama, run_decode_suite
@@ -25,15 +26,6 @@ try:
     HAVE_HF = True
 except ImportError:
     HAVE_HF = False
-
-
-@torch.no_grad()
-def argmax_loop(model: GPT, prompt: list[int], n: int) -> list[int]:
-    """Greedy by a full forward over the whole prefix per token: no KV cache, no static shapes."""
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 def test_quick_cli_runs_every_method_and_exact_ones_equal_sequential(tmp_path, capsys):
@@ -200,19 +192,6 @@ def test_a_call_decodes_several_prompts_a_batch_at_a_time_and_each_equals_the_ar
         assert r.tokens_per_s == pytest.approx(4 * 5 / r.seconds[0])
 
 
-@torch.no_grad()
-def penalised_loop(model: GPT, prompt: list[int], n: int, p: float) -> list[int]:
-    """`argmax_loop` with transformers' repetition penalty written out: every id already in the sequence has its
-    logit divided by p where positive, multiplied by p where negative (RepetitionPenaltyLogitsProcessor)."""
-    ids = list(prompt)
-    for _ in range(n):
-        x = model(torch.tensor([ids]))[0, -1].float()
-        seen = torch.zeros_like(x, dtype=torch.bool)
-        seen[ids] = True
-        ids.append(int(torch.where(seen, torch.where(x < 0, x * p, x / p), x).argmax()))
-    return ids[len(prompt):]
-
-
 @pytest.mark.parametrize("p", [0.5, 1.3])
 def test_a_repetition_penalty_runs_on_every_row_snlp_and_transformers_alike(p):
     """repetition_penalty (`--repetition-penalty`): the suite decoded without any, so a comparison with a model
@@ -222,7 +201,7 @@ def test_a_repetition_penalty_runs_on_every_row_snlp_and_transformers_alike(p):
     res = run_decode_suite(DecodeSuiteConfig(quick=True, device="cpu", dtype="float64", batch_sizes=(1, 2), new_tokens=8,
                                              rounds=1, warmup=0, blocks=(2,), repetition_penalty=p))
     model = random_llama(quick=True, seed=0).double().eval()
-    assert res.reference == [penalised_loop(model, q, 8, p) for q in res.prompts]
+    assert res.reference == [argmax_loop(model, q, 8, penalty=p) for q in res.prompts]
     assert res.reference != [argmax_loop(model, q, 8) for q in res.prompts]  # the penalty acts on these prompts
     assert (res.meta.repetition_penalty, res.meta.repetition_penalty_from) == (p, "given")
     ran = [r for r in res.rows if r.tokens_per_s is not None]

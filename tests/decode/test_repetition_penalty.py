@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from conftest import make_model
+from conftest import argmax_loop, make_model
 
 from snlp import from_hf, jacobi_generate, sequential_generate, snlp_generate, speculative_generate
 from snlp.decode.penalty import RepetitionPenalty
@@ -97,27 +97,14 @@ def test_fp32_batch_of_one_equals_transformers(pair):
                                         repetition_penalty=p).tokens == want
 
 
-def naive_penalised(model, prompt: list[int], n: int, p: float) -> list[int]:
-    """The outside reference written out: a full forward over the prefix per token (no cache), every id already in
-    the sequence penalised as transformers' processor does, then the argmax."""
-    ids = list(prompt)
-    for _ in range(n):
-        with torch.no_grad():
-            x = model(torch.tensor([ids]))[0, -1].float()
-        seen = torch.zeros_like(x, dtype=torch.bool)
-        seen[ids] = True
-        ids.append(int(torch.where(seen, torch.where(x < 0, x * p, x / p), x).argmax()))
-    return ids[len(prompt):]
-
-
 SPEC_PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 2], [9]]
 
 
 @pytest.fixture(scope="module")
 def spec_case():
     model = make_model(seed=2, vocab_size=13, scale=0.3)
-    refs = {p: [naive_penalised(model, q, 20, p) for q in SPEC_PROMPTS] for p in (0.5, 1.3, 2.0)}
-    assert refs[2.0] != [naive_penalised(model, q, 20, 1.0) for q in SPEC_PROMPTS]
+    refs = {p: [argmax_loop(model, q, 20, penalty=p) for q in SPEC_PROMPTS] for p in (0.5, 1.3, 2.0)}
+    assert refs[2.0] != [argmax_loop(model, q, 20, penalty=1.0) for q in SPEC_PROMPTS]
     return model, refs
 
 
@@ -244,11 +231,11 @@ def test_every_one_token_loop_picks_through_the_one_penalty_step(monkeypatch):
     monkeypatch.setattr(RepetitionPenalty, "pick",
                         lambda self, logits, pick: calls.append(logits.shape[0]) or real(self, logits, pick))
     kw = dict(max_new_tokens=6, repetition_penalty=1.3)
-    assert sequential_generate(model, SPEC_PROMPTS[0], **kw).tokens == naive_penalised(model, SPEC_PROMPTS[0], 6, 1.3)
+    assert sequential_generate(model, SPEC_PROMPTS[0], **kw).tokens == argmax_loop(model, SPEC_PROMPTS[0], 6, penalty=1.3)
     assert calls == [1] * 6
     calls.clear()
     rows = snlp_generate(model, SPEC_PROMPTS[:2], "6xF1-h0-K6", read_every=4, **kw)
-    assert [r.tokens for r in rows] == [naive_penalised(model, q, 6, 1.3) for q in SPEC_PROMPTS[:2]]
+    assert [r.tokens for r in rows] == [argmax_loop(model, q, 6, penalty=1.3) for q in SPEC_PROMPTS[:2]]
     assert calls == [2] * 6
 
 
@@ -281,7 +268,7 @@ def test_compiled_steps_with_the_penalty_equal_eager():
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 2], [9]]
     kw = dict(max_new_tokens=16, repetition_penalty=1.3)
     eager = [r.tokens for r in sequential_generate(model, prompts, **kw)]
-    assert eager == [naive_penalised(model, q, 16, 1.3) for q in prompts]
+    assert eager == [argmax_loop(model, q, 16, penalty=1.3) for q in prompts]
     assert [r.tokens for r in sequential_generate(model, prompts, compile=True, **kw)] == eager
     assert sequential_generate(model, prompts[0], compile=True, **kw).tokens == eager[0]
     assert [r.tokens for r in speculative_generate(model, prompts, "6xF1-h0-K1", block=3, compile=True,

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 from conftest import init_gloo as _init
-from conftest import make_model
+from conftest import argmax_loop, make_model
 from conftest import spawn_ranks as _spawn
 
 from snlp.decode import sequential_generate, snlp_generate, speculative_generate
@@ -47,17 +47,6 @@ def _penalty_worker(rank: int, world: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-@torch.no_grad()
-def penalised_loop(model, prompt: list[int], n: int, p: float) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        x = model(torch.tensor([ids]))[0, -1].float()
-        seen = torch.zeros_like(x, dtype=torch.bool)
-        seen[ids] = True
-        ids.append(int(torch.where(seen, torch.where(x < 0, x * p, x / p), x).argmax()))
-    return ids[len(prompt):]
-
-
 @pytest.mark.parametrize("world", [1, 2])
 def test_distributed_decoding_applies_the_repetition_penalty(world, tmp_path):
     """It refused repetition_penalty (a TypeError in the library, a refusal in `snlp generate --distributed`): now
@@ -67,7 +56,7 @@ def test_distributed_decoding_applies_the_repetition_penalty(world, tmp_path):
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for p in PENALTIES:
         for i, prompt in enumerate(PROMPTS):
-            ref = penalised_loop(model, prompt, N, p)
+            ref = argmax_loop(model, prompt, N, penalty=p)
             kw = dict(max_new_tokens=N, repetition_penalty=p)
             want = {("sequential", "greedy"): sequential_generate(model, prompt, **kw).tokens,
                     ("snlp", "greedy"): snlp_generate(model, prompt, PLAN, **kw).tokens,
@@ -81,7 +70,7 @@ def test_distributed_decoding_applies_the_repetition_penalty(world, tmp_path):
                 for (mode, how), toks in want.items():
                     assert rk[(p, i, mode, how)] == toks, (world, p, prompt, mode, how)
     # the penalty acts on these prompts: without it, greedy decoding differs somewhere
-    assert any(penalised_loop(model, q, N, 1.0) != penalised_loop(model, q, N, p) for q in PROMPTS for p in PENALTIES)
+    assert any(argmax_loop(model, q, N, penalty=1.0) != argmax_loop(model, q, N, penalty=p) for q in PROMPTS for p in PENALTIES)
 
 
 EXACT = "4xF1-h0-K4"  # K = C: the drafter is the model
