@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 from snlp.model.gpt import GPT, GPTConfig
 from snlp.model.ops import rope_inv_freq
 from snlp.io.tokenizer import BOS, Tokenizer
-from snlp.io.hub import offline_if_unreachable
+from snlp.io.hub import blocked, offline_if_unreachable
 from snlp.io.source import check_source, did_you_mean, home_path
 from snlp.io.weights import check_cast, check_finite
 
@@ -331,18 +331,22 @@ def _load_hf(src: str, dtype):
         if is_snlp_checkpoint(path):
             raise ValueError(f"{path} is already an snlp checkpoint: nothing to convert; load it with snlp.load, or "
                              f"give it as it is to snlp generate / eval / bench --ckpt / train --init-from / adapt")
-    # a hub id on a box that cannot reach the hub: from its cache only (the clients' retries took minutes)
+    # a hub id on a box that cannot reach the hub: from its cache only (the clients' retries took minutes); a file
+    # the cache lacks then fails with the clients' offline wording, so the message says why the hub was not asked
+    why = "" if path.exists() else blocked()
+    why = f" (only the hub cache was read: {why})" if why else ""
     with offline_if_unreachable() if not path.exists() else contextlib.nullcontext():
         try:
             cfg = AutoConfig.from_pretrained(src)
         except (OSError, ValueError) as e:
-            raise ValueError(f"cannot read the model config of {src!r}: {' '.join(str(e).split())}") from e
+            raise ValueError(f"cannot read the model config of {src!r}: {' '.join(str(e).split())}{why}") from e
         _architecture(cfg)
         config_from_hf(cfg)  # unsupported options fail before the weights load
         try:
             m, info = AutoModelForCausalLM.from_pretrained(src, output_loading_info=True, **kw)
         except (OSError, ValueError, RuntimeError, SafetensorError) as e:
-            raise ValueError(f"cannot load the weights of {src!r} (missing or corrupt safetensors?): {e}") from e
+            raise ValueError(f"cannot load the weights of {src!r} (missing or corrupt safetensors?): "
+                             f"{' '.join(str(e).split())}{why}") from e
         missing = sorted((info or {}).get("missing_keys") or [])
         if missing:  # transformers initialised them (at random; norms at one) and only logged it, as check_gguf refuses
             raise ValueError(f"the weights of {src!r} lack {len(missing)} tensor(s) of its {type(m).__name__} "

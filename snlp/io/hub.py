@@ -49,8 +49,10 @@ def unreachable(timeout: float = 3.0) -> str | None:
     or None: it answered a TCP connection within `timeout` s, or the clients go through a proxy (`proxied`: unknown,
     left to them). Asked once per process."""
     url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-    host = url.hostname or "huggingface.co"
-    if proxied(url.scheme or "https", host):
+    if url.scheme not in ("http", "https") or not url.hostname:
+        return None  # an endpoint the clients cannot use either (`hub.example` without a scheme): they say so
+    host = url.hostname
+    if proxied(url.scheme, host):
         return None
     try:
         port = url.port or (80 if url.scheme == "http" else 443)

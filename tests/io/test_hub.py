@@ -329,3 +329,41 @@ def test_from_hf_reads_a_folder_written_with_a_tilde(tmp_path, monkeypatch):
                                  num_attention_heads=2, num_key_value_heads=2)).save_pretrained(tmp_path / "tiny")
     model, _ = snlp.from_hf("~/tiny")
     assert model.config.n_layer == 2
+
+
+def test_an_endpoint_without_a_scheme_is_left_to_the_clients(probe, monkeypatch):
+    """urlparse reads `127.0.0.1:PORT` as a path: the probe tested huggingface.co:443 instead of the endpoint given,
+    and its answer named a host the clients never ask. The clients refuse such an endpoint themselves."""
+    monkeypatch.setenv("HF_ENDPOINT", f"127.0.0.1:{closed_port()}")
+    assert probe() is None
+
+
+def test_a_partial_hub_cache_says_the_hub_was_not_asked(tmp_path):
+    """A cached snapshot with config.json and no weights, the hub unreachable: the load read the cache only and
+    failed with "cannot load the weights", leaving the user to guess that a reachable hub would have fetched them."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+
+    repo = tmp_path / "hub" / "models--tinyorg--half"
+    snap = repo / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=2, architectures=["LlamaForCausalLM"]).save_pretrained(snap)
+    code = ("import snlp.io.hub as h\n"
+            "h.unreachable = lambda timeout=3.0: 'the Hugging Face hub (test:443) is not reachable from here: test'\n"
+            "import snlp\n"
+            "try:\n"
+            "    snlp.from_hf('tinyorg/half')\n"
+            "except ValueError as e:\n"
+            "    print('ERR', e)\n")
+    env = {k: v for k, v in os.environ.items() if k not in (*hub.PROXY_VARS, "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
+                                                            "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")}
+    env.update(HF_HOME=str(tmp_path), HF_ENDPOINT="http://127.0.0.1:9", PYTHONPATH=str(ROOT),
+               HF_HUB_DISABLE_TELEMETRY="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.startswith("ERR cannot load the weights of 'tinyorg/half'"), line
+    assert "only the hub cache was read: the Hugging Face hub (test:443) is not reachable" in line, line
