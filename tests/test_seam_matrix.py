@@ -31,6 +31,9 @@ names the combination. A cell that is neither is a defect. The references are wr
                                    are the maps of the biases computed per token (no GPT.static_hc, no transfer_scan)
   window wider than every T        the same weights with full causal attention (window_pattern "L")
   window 0 on every layer          each token run alone (RoPE rotates its query and key alike)
+  windows T - 2 .. T + 1 of the    the same weights with attention written out (naive_attend: an explicit softmax
+  prompts, 0, 1, 2, full, mixed    over each query's window, fp64): forward and K >= C plans under every window
+                                   kernel; sequential, K >= C SNLP, speculative, Jacobi decoding: its argmax loop
   a converted transformers model   transformers itself: its logits, the argmax loop over its forward, its generate
   with sliding windows             (sliding_window >= 3); export: from_pretrained of the written directory
   compiled (compile=True,          the eager cell's reference (COMPILED: plan forward, sequential, SNLP and
@@ -970,6 +973,66 @@ def test_window_zero_sees_each_token_alone():
     assert sequential_generate(m, p, max_new_tokens=6).tokens == argmax_loop(token_alone, p, 6)
     assert snlp_generate(m, [p, idx[1, :7].tolist()], "6xF1-h0-K6", max_new_tokens=6)[0].tokens == \
         argmax_loop(token_alone, p, 6)
+
+
+def naive_attend(q, k, v, windows=-1, q_start=0, masks=None):
+    """Causal sliding-window attention written out: query i (a Python loop over positions) takes an explicit softmax
+    over the scores of keys max(0, i - w) .. i (every key 0 .. i for w = -1), scale 1 / sqrt(hd), GQA by repeating
+    the KV heads. Full-prefix calls only (no KV cache: queries and keys at 0 .. T-1)."""
+    assert isinstance(windows, int) and isinstance(q_start, int) and q_start == 0 and q.shape[-2] == k.shape[-2]
+    Hq, T, hd = q.shape[-3:]
+    k, v = (t.repeat_interleave(Hq // t.shape[-3], -3) for t in (k, v))
+    out = torch.empty_like(q)
+    for i in range(T):
+        lo = 0 if windows < 0 else max(0, i - windows)
+        scores = q[..., i:i + 1, :] @ k[..., lo:i + 1, :].transpose(-1, -2) / math.sqrt(hd)
+        out[..., i:i + 1, :] = torch.softmax(scores, -1) @ v[..., lo:i + 1, :]
+    return out
+
+
+# widths at the edges of the prompts below (9, 10, 11 tokens, decoded 6 more): T - 2, T - 1, T and T + 1 of some
+# prefill, each crossed by a decode step, next to 0, 1, 2 and full
+EDGE_WINDOWS = [8, 9, 10, 1, 2, 0, 11, -1]
+
+
+@pytest.mark.parametrize("kernel", ["masked", "banded", "auto"])
+def test_window_widths_at_the_prompt_length_equal_a_naive_attention(kernel, monkeypatch):
+    """An outside reference for every width, not only the widths wider than the sequence: the same weights with
+    snlp's attention replaced by naive_attend (an explicit softmax over each query's window, fp64). Widths T - 2 ..
+    T + 1 of the prompts (where the kernel choice switches between the window path, the mask and is_causal), 0, 1,
+    2 and full, mixed per layer; the forward and K >= C plans at T = 11 and T = 40 (the banded kernel pays there)
+    under each window kernel, and sequential, K >= C SNLP, speculative and verified Jacobi decoding of a ragged batch
+    whose rows cross each window at different steps: the argmax loop over the naive forward."""
+    from snlp.model import gpt as gpt_module
+    from snlp.model.ops import set_window_kernel
+
+    m = make_model(seed=13, n_layer=L, layer_windows=EDGE_WINDOWS, sequence_len=64, value_embeds=True)
+    gen = torch.Generator().manual_seed(13)
+    xs = [torch.randint(0, m.config.vocab_size, (2, T), generator=gen) for T in (11, 40)]
+    prompts = [torch.randint(0, m.config.vocab_size, (k,), generator=gen).tolist() for k in (9, 10, 11)]
+    n = 6
+    with monkeypatch.context() as mp, torch.no_grad():
+        mp.setattr(gpt_module, "attend", naive_attend)
+        refs = [m(x) for x in xs]
+        loop = [argmax_loop(m, p, n) for p in prompts]
+        mp.setattr(gpt_module, "attend", lambda q, k, v, windows=-1, **kw: naive_attend(q, k, v))
+        assert not torch.allclose(m(xs[1]), refs[1], rtol=1e-3, atol=1e-3)  # the windows bite in the reference
+    prev = set_window_kernel(kernel)
+    try:
+        with torch.no_grad():
+            for x, ref in zip(xs, refs):
+                torch.testing.assert_close(m(x), ref, rtol=1e-9, atol=1e-9)
+                for plan in ("6xF1-h0-K6", "8xF1-fwd-K8", "3xF1-h0-K3"):
+                    torch.testing.assert_close(bind(m, plan)(x), ref, rtol=1e-9, atol=1e-9, msg=plan)
+                    torch.testing.assert_close(parallel_forward(m, x, plan), ref, rtol=1e-9, atol=1e-9, msg=plan)
+        assert [r.tokens for r in sequential_generate(m, prompts, max_new_tokens=n)] == loop
+        assert [r.tokens for r in snlp_generate(m, prompts, "6xF1-h0-K6", max_new_tokens=n)] == loop
+        for plan in ("6xF1-h0-K1", "2xF2-h0-K1"):
+            spec = speculative_generate(m, prompts, plan, block=3, max_new_tokens=n)
+            assert [r.tokens for r in spec] == loop, plan
+        assert [jacobi_generate(m, p, "6xF1-h0-K1", block=3, max_new_tokens=n).tokens for p in prompts] == loop
+    finally:
+        set_window_kernel(prev)
 
 
 # ----------------------------------------------------------------------------- Hugging Face sliding windows

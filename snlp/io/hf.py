@@ -115,12 +115,21 @@ def config_from_hf(hf_config, model_class: type | None = None) -> GPTConfig:
     sw = getattr(c, "sliding_window", None)
     windows = None
     types = getattr(c, "layer_types", None)
+    slides = arch == "MistralForCausalLM" or (arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and types is not None
+                                             and "sliding_attention" in types)
+    if slides and sw is not None and (isinstance(sw, bool) or not isinstance(sw, (int, float)) or sw != int(sw)
+                                      or sw < 1):
+        # transformers keeps key j for query i when i - j < sliding_window: a width below 1 keeps no key at all (its
+        # forward fails on the mask), and sw - 1 below would read as -1 (full causal) or an invalid window
+        raise ValueError(f"a {arch} config with sliding_window={sw!r} has no usable window width (transformers attends "
+                         f"to keys i - j < sliding_window, so it must be an integer >= 1); set sliding_window >= 1 "
+                         f"or null for full attention")
     if arch == "MistralForCausalLM" and sw is not None:
-        windows = [sw - 1] * L  # transformers: key j visible from query i when i - j < sliding_window
+        windows = [int(sw) - 1] * L  # transformers: key j visible from query i when i - j < sliding_window
     elif arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         pass  # Llama attends fully whatever sliding_window / layer_types its config carries
     elif types is not None and "sliding_attention" in types and sw is not None:
-        windows = [sw - 1 if t == "sliding_attention" else -1 for t in types]
+        windows = [int(sw) - 1 if t == "sliding_attention" else -1 for t in types]
     elif types is not None and "sliding_attention" in types:  # no width for the layers it names sliding:
         # transformers' Qwen2/Qwen3 cannot run it (ValueError, or a TypeError in the KV cache); full attention is
         # not what the config says either. Qwen2Config/Qwen3Config null sliding_window when use_sliding_window=False

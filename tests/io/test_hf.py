@@ -1152,3 +1152,29 @@ def test_export_hf_takes_a_transformers_tokenizer_as_from_hf_does_and_refuses_an
         with pytest.raises(ValueError, match="not a fast") as e:
             export_hf(snlp_llama(), tmp_path / "b", bad)
         assert "\n" not in str(e.value) and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("family,kw", [("mistral", dict(sliding_window=0)),
+                                       ("qwen2", dict(use_sliding_window=True, sliding_window=0, max_window_layers=2)),
+                                       ("qwen3", dict(use_sliding_window=True, sliding_window=0, max_window_layers=0))])
+def test_a_sliding_window_of_zero_width_is_refused_not_converted_as_full_attention(family, kw, tmp_path):
+    """sliding_window=0 keeps no key in transformers (key j is kept for query i when i - j < sliding_window; its
+    forward fails on the mask), yet from_hf converted it to window -1, full causal attention, without a word: a model
+    that computed something transformers never does. Now refused in one line, from the object and from a folder; a
+    width of 1 (each token sees itself only) still converts, with the same logits as transformers."""
+    hf = hf_tiny(family, **kw)
+    assert hf.config.sliding_window == 0
+    with pytest.raises(Exception), torch.no_grad():
+        hf(ids())
+    with pytest.raises(ValueError, match="sliding_window=0") as e:
+        from_hf(hf)
+    assert "\n" not in str(e.value)
+    hf.save_pretrained(str(tmp_path / "d"))
+    with pytest.raises(ValueError, match="sliding_window=0"):
+        from_hf(str(tmp_path / "d"))
+    one = hf_tiny(family, **{**kw, "sliding_window": 1}).double()
+    model, _ = from_hf(one)
+    assert 0 in model.config.layer_windows and -2 not in model.config.layer_windows
+    x = ids(T=12)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).double(), one(x).logits, atol=1e-6, rtol=0)
