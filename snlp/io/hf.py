@@ -413,8 +413,10 @@ def _effective_generation_defaults(d: dict) -> dict:
     """`d` (generation defaults as `generation_defaults` kept them) less the flags transformers' generate ignores in
     the decoding mode `d` selects: sampling flags without do_sample (older hub files set temperature / top_p so),
     beam flags without num_beams > 1, extra outputs without return_dict_in_generate, cache settings without
-    use_cache. GenerationConfig.save_pretrained refuses a config holding any of them; dropping them leaves what
-    generate() computes unchanged, and keeps the flags it does use (repetition_penalty, max_new_tokens, ...)."""
+    use_cache, and a negative pad_token_id (older Llama ports write -1 for none: generate() pads nothing with it
+    unbatched, and a batch that needs a pad raises on it). GenerationConfig.save_pretrained refuses a config holding
+    any of them; dropping them leaves what generate() computes unchanged, and keeps the flags it does use
+    (repetition_penalty, max_new_tokens, ...)."""
     drop = set()
     if d.get("do_sample") is not True:
         drop.update(_SAMPLING_ONLY)
@@ -424,6 +426,8 @@ def _effective_generation_defaults(d: dict) -> dict:
         drop.update(_EXTRA_OUTPUTS)
     if d.get("use_cache") is False:
         drop.update(("cache_implementation", "cache_config"))
+    if isinstance(d.get("pad_token_id"), int) and d["pad_token_id"] < 0:
+        drop.add("pad_token_id")
     return {k: v for k, v in d.items() if k not in drop}
 
 
@@ -586,6 +590,11 @@ def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None, overwrite: bo
         hf_model.config.bos_token_id = hf_model.generation_config.bos_token_id = bos
         hf_model.config.eos_token_id = tokenizer.eos_id if tokenizer.eos_id is not None else None
         hf_model.generation_config.eos_token_id = (stops[0] if len(stops) == 1 else stops) or None
+        try:  # save_pretrained validates it so, after config.json is written: refused here, before any file
+            hf_model.generation_config.validate(strict=True)
+        except ValueError as e:
+            raise ValueError(f"export: transformers would not save this model's generation config "
+                             f"({' '.join(str(e).split())[:300]}); nothing was written") from None
     out.mkdir(parents=True, exist_ok=True)
     hf_model.save_pretrained(str(out))
     if tokenizer is not None:

@@ -1152,3 +1152,25 @@ def test_export_hf_takes_a_transformers_tokenizer_as_from_hf_does_and_refuses_an
         with pytest.raises(ValueError, match="not a fast") as e:
             export_hf(snlp_llama(), tmp_path / "b", bad)
         assert "\n" not in str(e.value) and not (tmp_path / "b").exists()
+
+
+def test_an_export_of_a_source_whose_generation_config_pads_with_minus_one_generates_as_the_source(tmp_path, capsys):
+    """Older Llama ports write pad_token_id -1 (none) into their generation config: transformers loads it (a warning)
+    and its generate() applies the rest, here repetition_penalty 1.3. `snlp export` of its conversion failed with
+    transformers' multi-line 'GenerationConfig is invalid' after config.json was written (the --out then refused as
+    not empty). Now the -1 is dropped, the rest kept: the export's generate() equals the source's, token for token."""
+    from snlp.apps.cli import main
+
+    src, exp = tmp_path / "src", tmp_path / "exp"
+    hf_tiny("llama", layers=2, bos_token_id=V - 3, eos_token_id=V - 2).save_pretrained(str(src))
+    word_tokenizer(V).save_pretrained(str(src))
+    (src / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": V - 3, "eos_token_id": V - 2, "pad_token_id": -1, "repetition_penalty": 1.3}))
+    assert main(["convert", str(src), "--out", str(tmp_path / "ck")]) == 0
+    assert main(["export", str(tmp_path / "ck"), "--out", str(exp)]) == 0, capsys.readouterr().err
+    got = json.loads((exp / "generation_config.json").read_text())
+    assert got["repetition_penalty"] == 1.3 and got.get("pad_token_id") is None
+    x = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]])
+    a, b = (transformers.AutoModelForCausalLM.from_pretrained(str(d)).eval() for d in (src, exp))
+    with torch.no_grad():
+        assert b.generate(x, max_new_tokens=12).tolist() == a.generate(x, max_new_tokens=12).tolist()
