@@ -1174,3 +1174,37 @@ def test_an_export_of_a_source_whose_generation_config_pads_with_minus_one_gener
     a, b = (transformers.AutoModelForCausalLM.from_pretrained(str(d)).eval() for d in (src, exp))
     with torch.no_grad():
         assert b.generate(x, max_new_tokens=12).tolist() == a.generate(x, max_new_tokens=12).tolist()
+
+
+def test_an_interrupted_export_leaves_no_folder_that_loads_as_a_model_without_its_tokenizer(tmp_path, monkeypatch):
+    """export_hf wrote config.json, generation_config.json and model.safetensors straight into `out`, then the
+    tokenizer: interrupted there (Ctrl-C, a full disk), `out` held a model transformers loads, without the tokenizer
+    it was exported with (and a rerun was refused as not empty). Now the files are written beside it and moved in
+    when all are written: an interrupted export leaves nothing at `out` and no hidden leftovers; a whole one is
+    transformers' model of the source. overwrite=True still removes a stale weight shard it does not write."""
+    from transformers import PreTrainedTokenizerFast
+
+    model, tok = snlp_llama(), Tokenizer.from_hf(word_tokenizer(V))
+    save, calls = PreTrainedTokenizerFast.save_pretrained, []
+
+    def interrupted(self, *a, **k):  # the first save is the reload check's, in a temporary folder; the second, out's
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return save(self, *a, **k)
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export_hf(model, tmp_path / "exp", tok)
+    assert len(calls) == 2 and list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", save)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "model-00001-of-00002.safetensors").write_text("a stale shard")
+    for out in (export_hf(model, tmp_path / "exp", tok), export_hf(model, tmp_path / "old", tok, overwrite=True)):
+        assert not (out / "model-00001-of-00002.safetensors").exists()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+        assert transformers.AutoTokenizer.from_pretrained(str(out))("t1 t2")["input_ids"] == tok.prompt_ids("t1 t2")
+        x = ids()
+        with torch.no_grad():
+            torch.testing.assert_close(hf(x).logits.double(), model(x).double(), atol=1e-4, rtol=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp", "old"]
