@@ -603,6 +603,9 @@ def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None, overwrite: bo
         except ValueError as e:
             raise ValueError(f"export: transformers would not save this model's generation config "
                              f"({' '.join(str(e).split())[:300]}); nothing was written") from None
+    taken = sorted(k for k in (config_extra or {}) if hasattr(hf_model.config, k))
+    if taken:  # a field transformers reads would make config.json describe another model than the weights
+        raise ValueError(f"export_hf: config_extra may add fields only; {', '.join(taken)} is transformers' own")
     for key, value in (config_extra or {}).items():
         setattr(hf_model.config, key, value)
     out.parent.mkdir(parents=True, exist_ok=True)

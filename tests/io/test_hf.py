@@ -1208,3 +1208,7 @@ def test_an_interrupted_export_leaves_no_folder_that_loads_as_a_model_without_it
         with torch.no_grad():
             torch.testing.assert_close(hf(x).logits.double(), model(x).double(), atol=1e-4, rtol=0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exp", "old"]
+    with pytest.raises(ValueError, match="vocab_size is transformers' own"):  # it would describe another model
+        export_hf(model, tmp_path / "extra", config_extra={"vocab_size": 5, "note": 1})
+    assert json.loads((export_hf(model, tmp_path / "extra", config_extra={"note": 1}) / "config.json").read_text())[
+        "note"] == 1
