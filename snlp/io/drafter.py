@@ -158,9 +158,5 @@ def export_drafter_hf(drafter: Drafter, out, tokenizer=None) -> Path:
     `make_drafter`) give back the drafter's SNLP forward exactly."""
     from snlp.io.hf import export_hf
 
-    path = export_hf(drafter.merged().model, out, tokenizer)
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["snlp_drafter"] = {"plan": str(drafter.plan), "base_fingerprint": drafter.base_fingerprint,
-                           "suffix_start": drafter.suffix_start}
-    write_atomic(path / "config.json", lambda p: p.write_text(json.dumps(cfg, indent=2)))
-    return path
+    return export_hf(drafter.merged().model, out, tokenizer, config_extra={"snlp_drafter": {
+        "plan": str(drafter.plan), "base_fingerprint": drafter.base_fingerprint, "suffix_start": drafter.suffix_start}})

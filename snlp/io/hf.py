@@ -12,6 +12,10 @@ transformers is imported lazily: only conversion and export need it.
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -426,8 +430,10 @@ def _effective_generation_defaults(d: dict) -> dict:
     """`d` (generation defaults as `generation_defaults` kept them) less the flags transformers' generate ignores in
     the decoding mode `d` selects: sampling flags without do_sample (older hub files set temperature / top_p so),
     beam flags without num_beams > 1, extra outputs without return_dict_in_generate, cache settings without
-    use_cache. GenerationConfig.save_pretrained refuses a config holding any of them; dropping them leaves what
-    generate() computes unchanged, and keeps the flags it does use (repetition_penalty, max_new_tokens, ...)."""
+    use_cache, and a negative pad_token_id (older Llama ports write -1 for none: generate() decodes one sequence the
+    same without it; a batch whose rows end apart raised IndexError on it). GenerationConfig.save_pretrained refuses
+    a config holding any of them; dropping them leaves what generate() computes unchanged, and keeps the flags it
+    does use (repetition_penalty, max_new_tokens, ...)."""
     drop = set()
     if d.get("do_sample") is not True:
         drop.update(_SAMPLING_ONLY)
@@ -437,6 +443,8 @@ def _effective_generation_defaults(d: dict) -> dict:
         drop.update(_EXTRA_OUTPUTS)
     if d.get("use_cache") is False:
         drop.update(("cache_implementation", "cache_config"))
+    if isinstance(d.get("pad_token_id"), int) and d["pad_token_id"] < 0:
+        drop.add("pad_token_id")
     return {k: v for k, v in d.items() if k not in drop}
 
 
@@ -525,13 +533,17 @@ def check_export_out(out, overwrite: bool = False, label: str = "out") -> Path:
     return d
 
 
-def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None, overwrite: bool = False) -> Path:
+def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None, overwrite: bool = False,
+              config_extra: dict | None = None) -> Path:
     """Write `model` as a transformers directory (config.json + model.safetensors [+ tokenizer: an snlp Tokenizer or
     a transformers fast tokenizer]) that AutoModelForCausalLM.from_pretrained loads with the same logits: the model's
     own tensors, bit for bit (RMSNorm weights as transformers' norm weights; a tied head stays tied), so `from_hf` of
     the folder gives the model back. `out` must be a new or empty folder (`check_export_out`), unless
     `overwrite=True`: then transformers' save_pretrained replaces the files it writes there and deletes weight shards
-    (model-NNNNN-of-NNNNN.safetensors) it does not write; other files stay."""
+    (model-NNNNN-of-NNNNN.safetensors) it does not write; other files stay. `config_extra`: JSON fields added to
+    config.json (a drafter's plan). The files are written in a hidden sibling folder and moved in when all are
+    written, config.json last, so an interrupted export leaves no folder that loads as a model without its
+    tokenizer."""
     from transformers import AutoModelForCausalLM
 
     out = check_export_out(out, overwrite)  # before any work: nothing of the user's is written over
@@ -599,11 +611,34 @@ def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None, overwrite: bo
         hf_model.config.bos_token_id = hf_model.generation_config.bos_token_id = bos
         hf_model.config.eos_token_id = tokenizer.eos_id if tokenizer.eos_id is not None else None
         hf_model.generation_config.eos_token_id = (stops[0] if len(stops) == 1 else stops) or None
-    out.mkdir(parents=True, exist_ok=True)
-    hf_model.save_pretrained(str(out))
-    if tokenizer is not None:
-        _hf_tokenizer(tokenizer)[0].save_pretrained(str(out))
-    return out
+        try:  # save_pretrained validates it so, after config.json is written: refused here, before any file
+            hf_model.generation_config.validate(strict=True)
+        except ValueError as e:
+            raise ValueError(f"export: transformers would not save this model's generation config "
+                             f"({' '.join(str(e).split())[:300]}); nothing was written") from None
+    taken = sorted(k for k in (config_extra or {}) if hasattr(hf_model.config, k))
+    if taken:  # a field transformers reads would make config.json describe another model than the weights
+        raise ValueError(f"export_hf: config_extra may add fields only; {', '.join(taken)} is transformers' own")
+    for key, value in (config_extra or {}).items():
+        setattr(hf_model.config, key, value)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        hf_model.save_pretrained(str(stage))
+        if tokenizer is not None:
+            _hf_tokenizer(tokenizer)[0].save_pretrained(str(stage))
+        if not out.exists():
+            os.replace(stage, out)  # one rename: the folder appears whole or not at all
+            return out
+        for f in out.iterdir():  # save_pretrained's own rule in a folder it writes into: no stale weight shard
+            if f.is_file() and re.fullmatch(r"model.*?-\d{5}-of-\d{5}", f.name.replace(".bin", "").replace(
+                    ".safetensors", "")):
+                f.unlink()
+        for f in sorted(stage.iterdir(), key=lambda f: f.name == "config.json"):  # without config.json no model
+            os.replace(f, out / f.name)
+        return out
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
 
 
 def _exportable(model) -> GPT:

@@ -1178,3 +1178,63 @@ def test_a_sliding_window_of_zero_width_is_refused_not_converted_as_full_attenti
     x = ids(T=12)
     with torch.no_grad():
         torch.testing.assert_close(model(x).double(), one(x).logits, atol=1e-6, rtol=0)
+
+
+def test_an_export_of_a_source_whose_generation_config_pads_with_minus_one_generates_as_the_source(tmp_path, capsys):
+    """Older Llama ports write pad_token_id -1 (none) into their generation config: transformers loads it (a warning)
+    and its generate() applies the rest, here repetition_penalty 1.3. `snlp export` of its conversion failed with
+    transformers' multi-line 'GenerationConfig is invalid' after config.json was written (the --out then refused as
+    not empty). Now the -1 is dropped, the rest kept: the export's generate() equals the source's, token for token."""
+    from snlp.apps.cli import main
+
+    src, exp = tmp_path / "src", tmp_path / "exp"
+    hf_tiny("llama", layers=2, bos_token_id=V - 3, eos_token_id=V - 2).save_pretrained(str(src))
+    word_tokenizer(V).save_pretrained(str(src))
+    (src / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": V - 3, "eos_token_id": V - 2, "pad_token_id": -1, "repetition_penalty": 1.3}))
+    assert main(["convert", str(src), "--out", str(tmp_path / "ck")]) == 0
+    assert main(["export", str(tmp_path / "ck"), "--out", str(exp)]) == 0, capsys.readouterr().err
+    got = json.loads((exp / "generation_config.json").read_text())
+    assert got["repetition_penalty"] == 1.3 and got.get("pad_token_id") is None
+    x = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]])
+    a, b = (transformers.AutoModelForCausalLM.from_pretrained(str(d)).eval() for d in (src, exp))
+    with torch.no_grad():
+        assert b.generate(x, max_new_tokens=12).tolist() == a.generate(x, max_new_tokens=12).tolist()
+
+
+def test_an_interrupted_export_leaves_no_folder_that_loads_as_a_model_without_its_tokenizer(tmp_path, monkeypatch):
+    """export_hf wrote config.json, generation_config.json and model.safetensors straight into `out`, then the
+    tokenizer: interrupted there (Ctrl-C, a full disk), `out` held a model transformers loads, without the tokenizer
+    it was exported with (and a rerun was refused as not empty). Now the files are written beside it and moved in
+    when all are written: an interrupted export leaves nothing at `out` and no hidden leftovers; a whole one is
+    transformers' model of the source. overwrite=True still removes a stale weight shard it does not write."""
+    from transformers import PreTrainedTokenizerFast
+
+    model, tok = snlp_llama(), Tokenizer.from_hf(word_tokenizer(V))
+    save, calls = PreTrainedTokenizerFast.save_pretrained, []
+
+    def interrupted(self, *a, **k):  # the first save is the reload check's, in a temporary folder; the second, out's
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return save(self, *a, **k)
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export_hf(model, tmp_path / "exp", tok)
+    assert len(calls) == 2 and list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", save)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "model-00001-of-00002.safetensors").write_text("a stale shard")
+    for out in (export_hf(model, tmp_path / "exp", tok), export_hf(model, tmp_path / "old", tok, overwrite=True)):
+        assert not (out / "model-00001-of-00002.safetensors").exists()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+        assert transformers.AutoTokenizer.from_pretrained(str(out))("t1 t2")["input_ids"] == tok.prompt_ids("t1 t2")
+        x = ids()
+        with torch.no_grad():
+            torch.testing.assert_close(hf(x).logits.double(), model(x).double(), atol=1e-4, rtol=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp", "old"]
+    with pytest.raises(ValueError, match="vocab_size is transformers' own"):  # it would describe another model
+        export_hf(model, tmp_path / "extra", config_extra={"vocab_size": 5, "note": 1})
+    assert json.loads((export_hf(model, tmp_path / "extra", config_extra={"note": 1}) / "config.json").read_text())[
+        "note"] == 1
