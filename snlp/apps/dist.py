@@ -165,7 +165,7 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
     if tok is None:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer; save it with one to use `snlp generate`")
     plan = cli_plan(args.plan, ckpt.config.n_layer)
-    from snlp.apps.generation_defaults import resolve_penalty
+    from snlp.apps.generation_defaults import resolve_penalty, sampling_record
 
     given = getattr(args, "repetition_penalty", None) is not None
     penalty = resolve_penalty(args, tok)  # as snlp.apps.generate.run: the flag, else the generation config's, else 1
@@ -223,7 +223,8 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
         if stream is not None:
             stream.flush_head()
             print()
-        record = {"tokens": res.tokens, "text": tok.decode(res.tokens, mark_missing=True), "world_size": world,
+        record = {"tokens": res.tokens, "text": tok.decode(res.tokens, mark_missing=True),
+                  "sampling": dict(sampling_record(args), repetition_penalty=penalty), "world_size": world,
                   "chunks_per_rank": [list(b) for b in partition(plan.chunks, world)], "memory_per_rank": mem,
                   **{k: v for k, v in res.to_dict().items() if k != "tokens"}}
         stats = (f"[distributed {res.mode} {plan} over {world} ranks] {len(res.tokens)} tokens, "

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from snlp.apps.generation_defaults import check_penalty_flag, defaults_note, resolve_penalty
+from snlp.apps.generation_defaults import check_penalty_flag, defaults_note, resolve_penalty, sampling_record
 from snlp.apps.streaming import past_context, streamer
 
 SUMMARY = "Generate text: sequential, SNLP, self-speculative or Jacobi decoding."
@@ -385,9 +385,11 @@ def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
     total = sum(len(r.tokens) for r in res)
     record = {"mode": args.mode, "plan": None if plan is None else str(plan), "batch_size": args.batch_size,
               "prompts": len(prompts), "tokens": total, "decode_s": wall, "tokens_per_s": total / wall if wall else None,
+              "sampling": sampling_record(args),  # row i drew with seed + i (decode_batches)
               "results": [{"prompt": t, "tokens": r.tokens, "text": tok.decode(r.tokens, mark_missing=True),
+                           "seed": None if args.seed is None else args.seed + i,
                            **{k: v for k, v in r.to_dict().items() if k not in ("tokens", "extra")}}
-                          for t, r in zip(texts, res)]}
+                          for i, (t, r) in enumerate(zip(texts, res))]}
     for i, (t, r) in enumerate(zip(texts, res)):
         if not args.quiet:
             print(f"[{i}] {t}{tok.decode(r.tokens, mark_missing=True)}")
@@ -504,6 +506,7 @@ def run(args) -> int:
     if args.compile:
         stats += f", compiled in {res.compile_s:.1f} s (before timing, not in tok/s)"
     record = {"tokens": res.tokens, "text": tok.decode(res.tokens, mark_missing=True),
+              "sampling": sampling_record(args),  # what repeats the draws: temperature, filters, seed, penalty
               **{k: v for k, v in res.to_dict().items() if k != "tokens"}}
     if res.mode in ("speculative", "jacobi"):
         from snlp.apps.common import NO_DRAFTS

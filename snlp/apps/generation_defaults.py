@@ -95,3 +95,11 @@ def resolve_penalty(args, tok) -> float:
     if args.repetition_penalty is not None:
         return float(args.repetition_penalty)
     return model_repetition_penalty(tok, f"{args.ckpt}: its generation_config")
+
+
+def sampling_record(args) -> dict:
+    """How a `snlp generate` run picked its tokens, for its --json record (single-process and --distributed alike):
+    without the seed and the filters a sampled record's tokens cannot be drawn again. `seed` is None for greedy
+    decoding (it draws nothing); a --prompts-file row i drew with seed + i (its own result says so)."""
+    return {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
+            "repetition_penalty": args.repetition_penalty}

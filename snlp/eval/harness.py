@@ -55,7 +55,7 @@ from lm_eval.utils import get_rolling_token_windows, handle_arg_string, make_dis
 from snlp.decode.batch import check_batch_plan
 from snlp.decode.penalty import check_repetition_penalty
 from snlp.decode.generate import sequential_generate, snlp_generate
-from snlp.decode.session import sampling
+from snlp.decode.session import check_seed, sampling
 from snlp.decode.speculative import speculative_generate
 from snlp.eval.mc import nonfinite
 from snlp.io.checkpoint import is_snlp_checkpoint, load, load_preheat
@@ -121,6 +121,22 @@ def model_arg(key: str, value) -> str:
     return f'"{text}"' if isinstance(value, str) and handle_arg_string(text) != text else text
 
 
+def harness_seed(seed) -> int:
+    """The seed= model arg as an int, or a one-line ValueError: an integer (model_args' parser types "7" as one; a
+    string of digits passed from Python is read as its integer), never a float (int() would truncate 1.7 to 1, and
+    model_args would record seed=1) or a boolean, within the range torch's generators take (check_seed)."""
+    if isinstance(seed, str):
+        try:
+            seed = int(seed.strip())
+        except ValueError:
+            pass
+    if isinstance(seed, bool) or not hasattr(seed, "__index__"):
+        raise ValueError(f"seed (the sampling seed of generate_until) must be an integer, got {seed!r}")
+    seed = int(seed)
+    check_seed(seed)
+    return seed
+
+
 def _on(w: torch.Tensor, device) -> bool:
     """Whether tensor w lives on `device` ("cuda" without an index: any CUDA device)."""
     d = torch.device(device)
@@ -178,6 +194,7 @@ class SNLPLM(TemplateLM):
             raise ValueError(f"decode={decode!r}: use one of {', '.join(DECODES)}")
         if int(block) < 1:
             raise ValueError(f"block (the speculative draft length) must be >= 1, got {block!r}")
+        seed = harness_seed(seed)
         if max_length is not None and int(max_length) < 1:
             raise ValueError(f"max_length must be >= 1 (or left out for the model's sequence_len), got {max_length!r}")
         if isinstance(plan, str):
@@ -248,7 +265,7 @@ class SNLPLM(TemplateLM):
         if (decode == "sequential") != (plan is None):
             raise ValueError(f"decode={decode} needs " + ("no plan (the model's own decoding)" if plan is not None
                              else "a plan= or a drafter= (it decodes with the plan's SNLP forward)"))
-        self.decode, self.block, self.seed = decode, int(block), int(seed)
+        self.decode, self.block, self.seed = decode, int(block), seed
         self.logits_cache = _bool(logits_cache)
         self._max_length = int(max_length) if max_length else self.model.config.sequence_len
         self.add_bos_token = (not tok.foreign) if add_bos_token is None else _bool(add_bos_token)
@@ -571,8 +588,14 @@ class SNLPLM(TemplateLM):
         kwargs, or the ValueError of an option no decode mode honours, a max_gen_toks that leaves no room for the
         prompt, or a bad sampling filter or penalty."""
         kw = dict(normalize_gen_kwargs(gen_kwargs, self.max_gen_toks))
-        # no temperature: 0.0, as normalize_gen_kwargs and the hf model take it (do_sample at 0.0 stays greedy)
+        # no temperature: 0.0, as normalize_gen_kwargs and the hf model take it; do_sample false is greedy whatever
+        # the temperature, and do_sample true at 0.0 has nothing to sample with: the hf model's generate raises there
+        # (transformers' TemperatureLogitsWarper takes a temperature > 0), so it is refused, not decoded greedily
         temperature = float(kw.get("temperature", 0.0)) if kw["do_sample"] else 0.0
+        if kw["do_sample"] and temperature == 0:
+            raise ValueError("generation options do_sample=True with temperature 0 (or none): there is nothing to "
+                             "sample with, and the hf model's generate() refuses it too; set a temperature > 0, or "
+                             "do_sample false for greedy decoding")
         # a task's sampling filters (None: none), taken as written: sampling() refuses a float top_k, a string,
         # or a filter that do_sample at temperature 0 (greedy) could not apply, as transformers refuses them;
         # a greedy task (do_sample false) draws nothing, so there they change nothing
