@@ -84,6 +84,9 @@ BEAM_ONLY = {"length_penalty", "early_stopping"}  # act only with num_beams > 1 
 # filters of the distribution sampling draws from: greedy decoding draws nothing, so any value is a no-op there
 # (transformers' greedy generate ignores them too); under sampling only their no-op values above are accepted
 SAMPLING_ONLY = {"top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff"}
+# transformers.GenerationConfig's own top_k / top_p, what a sampled generate() filters with where neither the call nor
+# the model's generation config sets them
+TRANSFORMERS_SAMPLING_DEFAULTS = {"top_k": 50, "top_p": 1.0}
 
 
 def refused_gen_kwargs(kw: dict, greedy: bool) -> list[str]:
@@ -553,6 +556,13 @@ class SNLPLM(TemplateLM):
             extra["max_new_tokens"] = defaults["max_new_tokens"]
         return extra
 
+    def sampling_default(self, name: str):
+        """The top_k / top_p a sampled request without its own gets from the hf model's generate(): the model's
+        generation config's value (not with ignore_generation_config), else transformers' default (50 / 1.0)."""
+        config = {} if self.ignore_generation_config else (self.tokenizer.meta or {}).get("generation_config") or {}
+        value = config.get(name)
+        return TRANSFORMERS_SAMPLING_DEFAULTS[name] if value is None else value
+
     def check_generation_config(self, sampling: bool) -> None:
         """A ValueError naming the generation-config settings generate_until would silently not apply (answers
         would differ from lm-eval's hf model on the same checkpoint), and the model arg that accepts that."""
@@ -599,8 +609,10 @@ class SNLPLM(TemplateLM):
         # a task's sampling filters (None: none), taken as written: sampling() refuses a float top_k, a string,
         # or a filter that do_sample at temperature 0 (greedy) could not apply, as transformers refuses them;
         # a greedy task (do_sample false) draws nothing, so there they change nothing
-        top_k = 0 if kw.get("top_k") is None else kw["top_k"]
-        top_p = 1.0 if kw.get("top_p") is None else kw["top_p"]
+        # a filter the task leaves out is the model's generation config's, else transformers' GenerationConfig
+        # default (top_k 50, top_p 1.0): the hf model's generate() merges the task's kwargs over them, so without this
+        # a sampled task drew from the whole vocabulary where the hf model draws from the 50 likeliest tokens
+        top_k, top_p = (kw[k] if kw.get(k) is not None else self.sampling_default(k) for k in ("top_k", "top_p"))
         refused = refused_gen_kwargs(kw, greedy=not kw["do_sample"])  # a task that samples: its filters count
         if refused:
             raise ValueError(f"generation options {', '.join(f'{k}={kw[k]!r}' for k in refused)} are not "

@@ -73,3 +73,38 @@ def test_an_integer_seed_is_taken_and_recorded_as_given(seed, want):
     model, tok = _tiny()
     lm = SNLPLM(pretrained=model, tokenizer=tok, seed=seed)
     assert lm.seed == want and f"seed={want}," in lm.model_args
+
+
+def _transformers_default(name):
+    """transformers' own default filter: GenerationConfig's field (4.x), else the global default generate() fills a
+    None field with (5.x)."""
+    g = transformers.GenerationConfig()
+    value = getattr(g, name)
+    if value is None and hasattr(g, "_get_default_generation_params"):
+        value = g._get_default_generation_params()[name]
+    return value
+
+
+@pytest.mark.parametrize("task, config, ignore, want", [
+    ({}, {}, False, ("default", "default")),
+    ({}, {"top_k": 20, "top_p": 0.9}, False, (20, 0.9)),
+    ({"top_k": 0}, {"top_k": 20}, False, (0, "default")),
+    ({"top_p": 0.8}, {}, False, ("default", 0.8)),
+    ({}, {"top_k": 20, "top_p": 0.9}, True, ("default", "default")),
+])
+def test_a_sampled_task_without_filters_gets_the_ones_transformers_generate_applies(task, config, ignore, want,
+                                                                                     monkeypatch):
+    """The hf model's generate() merges the task's kwargs over the model's generation config, whose unset filters
+    are transformers' defaults (top_k 50): a sampled task without top_k drew from the whole vocabulary here and from
+    the 50 likeliest tokens there, and a generation config's top_k / top_p were neither applied nor refused."""
+    model, tok = _tiny()
+    bos = tok.tok.id_to_token(tok.bos_id)
+    tok = Tokenizer(tok.tok, {"bos_token": bos, "eos_token": bos, "generation_config": config})  # a converted one
+    lm = SNLPLM(pretrained=model, tokenizer=tok, ignore_generation_config=ignore)
+    seen = []
+    monkeypatch.setattr(lm, "_generate", lambda prompts, max_new, temperature, first, top_k, top_p, *a:
+                        seen.append((top_k, top_p)) or [[] for _ in prompts])
+    lm.generate_until(_reqs([("the cat", {"until": ["."], "max_gen_toks": 4, "do_sample": True, "temperature": 0.7,
+                                          **task})]))
+    want = tuple(_transformers_default(k) if w == "default" else w for k, w in zip(("top_k", "top_p"), want))
+    assert seen == [want] and want[0] in (0, 20, 50)
