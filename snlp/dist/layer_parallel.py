@@ -76,7 +76,7 @@ from snlp.method.plan import Plan
 from snlp.method.scan import affine_scan
 from snlp.decode.penalty import check_repetition_penalty
 from snlp.decode.session import (DecodeSession, GenerateResult, Sampling, check_decode_args, check_picked,
-                                 check_stream, cut_at_stop, make_generator, sampling)
+                                 check_stream, make_generator, sampling)
 from snlp.decode.speculative import penalised_draft_pick, speculative_verdict
 from snlp.method.preheat import Preheat
 from snlp.runtime.timing import now, round_order
@@ -704,10 +704,8 @@ class DistributedSNLP:
         nacc, nxt = self._tokens_from_last(verdict, 2)
         check_picked([nxt], None, len(ses.out) + nacc)  # the verifier's NaN/inf logits: every rank raises
         cache.rollback(P + nacc + 1)
-        # a kept draft that is a stop id ends the output (emit cuts it): alpha counts up to it, examines none after
-        end = cut_at_stop(drafts[:nacc], ses.stops)
-        res.add_round(Bk, nacc if end is None else len(end), steps=Bk, forwards=Bk + 1, draft_s=t2 - t1,
-                      verify_s=now(self.device) - t2, ended=end is not None)
+        res.add_round(drafts, nacc, ses.stops, steps=Bk, forwards=Bk + 1, draft_s=t2 - t1,
+                      verify_s=now(self.device) - t2)
         ses.emit(drafts[:nacc] + [nxt])
 
 
