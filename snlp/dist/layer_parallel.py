@@ -734,11 +734,13 @@ def _timed(fn, warmup: int, runs: int) -> list[float]:
 
 def distributed_benchmark(model_fn, plans: list[Plan], tokens: int, batch: int, warmup: int, runs: int, seed: int,
                           decode: bool = False, prompt_len: int = 16, new_tokens: int = 32,
-                          blocks: tuple[int, ...] = (4,), checkpoint=None) -> list[dict]:
+                          blocks: tuple[int, ...] = (4,), checkpoint=None,
+                          repetition_penalty: float = 1.0) -> list[dict]:
     """On every rank: per plan, the distributed SNLP prefill (T tokens) vs the layer-pipelined sequential
     forward, and with `decode` the per-token latency of pipelined sequential, distributed SNLP and
     speculative decoding. `model_fn()` builds the (same) model on every rank; with `checkpoint` (a
-    snlp.dist.load.RankCheckpoint) it builds it on meta and the rank reads only its own layers. Medians in ms."""
+    snlp.dist.load.RankCheckpoint) it builds it on meta and the rank reads only its own layers. Every decode of
+    every mode applies `repetition_penalty` (1: none; the decode records carry it). Medians in ms."""
     import statistics
 
     recs = []
@@ -783,7 +785,8 @@ def distributed_benchmark(model_fn, plans: list[Plan], tokens: int, batch: int, 
             res: dict = {m: [] for m in modes}
             for i in range(warmup + runs):
                 for mode, b in round_order(modes, i):  # rotated, so no mode always runs first
-                    r = runner.generate(prompt, mode, new_tokens, block=max(b, 1))
+                    r = runner.generate(prompt, mode, new_tokens, block=max(b, 1),
+                                        repetition_penalty=repetition_penalty)
                     if i >= warmup:
                         res[(mode, b)].append(r)
             seq_ms = statistics.median(1e3 * r.decode_s / len(r.tokens) for r in res[("sequential", 0)])
@@ -792,7 +795,7 @@ def distributed_benchmark(model_fn, plans: list[Plan], tokens: int, batch: int, 
                 ms = statistics.median(1e3 * r.decode_s / len(r.tokens) for r in rs)
                 rec = {**dbase, "what": "decode", "mode": mode, "block": b or None, "ms_per_token": ms,
                        "speedup_vs_pipeline": seq_ms / ms, "matches_sequential": rs[0].tokens == ref,
-                       "prompt_len": prompt_len, "new_tokens": new_tokens,
+                       "prompt_len": prompt_len, "new_tokens": new_tokens, "repetition_penalty": repetition_penalty,
                        # run i of every mode ran in round i (paired with the sequential row's run i)
                        "ms_per_token_runs": [1e3 * r.decode_s / len(r.tokens) for r in rs],
                        "sequential_ms_per_token_runs": [1e3 * r.decode_s / len(r.tokens)
