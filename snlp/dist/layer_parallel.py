@@ -801,10 +801,10 @@ def distributed_benchmark(model_fn, plans: list[Plan], tokens: int, batch: int, 
                        "sequential_ms_per_token_runs": [1e3 * r.decode_s / len(r.tokens)
                                                         for r in res[("sequential", 0)]]}
                 if mode == "speculative":
-                    drafted = rs[0].examined  # one new token (the prefill's) drafts nothing: not measured, None
-                    rec.update(alpha=rs[0].acceptance_rate if drafted else None,
+                    examined = rs[0].examined  # one new token (the prefill's) drafts nothing: not measured, None
+                    rec.update(alpha=rs[0].acceptance_rate if examined else None,
                                tokens_per_round=rs[0].tokens_per_round,
-                               draft_ms_per_step=statistics.median(r.draft_ms_per_step for r in rs) if drafted
+                               draft_ms_per_step=statistics.median(r.draft_ms_per_step for r in rs) if examined
                                else None,
                                verify_ms_per_round=statistics.median(1e3 * r.verify_s / r.rounds for r in rs))
                 recs.append(rec)
