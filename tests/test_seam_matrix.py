@@ -57,7 +57,10 @@ names the combination. A cell that is neither is a defect. The references are wr
                                    generation_config's penalty by default: tests/bench/test_decode_suite.py,
                                    tests/io/test_generation_config.py
   repetition_penalty in the layer- the single-process decoder with the same penalty and seed (snlp, sequential,
-  parallel decoder (1, 2 ranks)    speculative; greedy: the penalised loop): tests/dist/test_dist_penalty.py
+  parallel decoder (1, 2 ranks)    speculative; greedy: the penalised loop): tests/dist/test_dist_penalty.py;
+  and its bench (distributed_      every decode of every mode gets it, a converted --ckpt's generation_config value
+  benchmark, --distributed         by default, named in the header and rows: tests/dist/test_seams_dist.py
+  --decode)
   a budget beyond memory (every    refused in one line naming the KV cache's size, before any forward (max_new_tokens
   decoding entry and input form)   whose cache needs more than the device has free: KVCache.for_model; a layer-
                                    parallel rank's window cache too: tests/dist/test_seams_dist.py)

@@ -165,10 +165,11 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
     if tok is None:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer; save it with one to use `snlp generate`")
     plan = cli_plan(args.plan, ckpt.config.n_layer)
-    from snlp.apps.generation_defaults import resolve_penalty, sampling_record
+    from snlp.apps.generation_defaults import penalty_and_source, sampling_record
 
     given = getattr(args, "repetition_penalty", None) is not None
-    penalty = resolve_penalty(args, tok)  # as snlp.apps.generate.run: the flag, else the generation config's, else 1
+    # as snlp.apps.generate.run: the flag, else the generation config's, else 1; the record names which
+    penalty, penalty_source = penalty_and_source(args, tok)
     if rank == 0 and tok.foreign:  # as snlp.apps.generate.run: the converted model's generation defaults not applied
         from snlp.apps.generation_defaults import defaults_note
 
@@ -226,8 +227,9 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
         record = {"tokens": res.tokens, "text": tok.decode(res.tokens, mark_missing=True),
                   "sampling": dict(sampling_record(args), repetition_penalty=penalty), "world_size": world,
                   "chunks_per_rank": [list(b) for b in partition(plan.chunks, world)], "memory_per_rank": mem,
-                  **{k: v for k, v in res.to_dict().items() if k != "tokens"}}
-        stats = (f"[distributed {res.mode} {plan} over {world} ranks] {len(res.tokens)} tokens, "
+                  **{k: v for k, v in res.to_dict().items() if k != "tokens"},
+                  "repetition_penalty": penalty, "repetition_penalty_source": penalty_source}
+        stats = (f"[distributed {res.mode} {plan} over {n_ranks(world)}] {len(res.tokens)} tokens, "
                  f"{res.tokens_per_s:.1f} tok/s{' in this one run' if base is not None else ''}, stop: {res.stop}")
         if res.mode == "speculative":  # as snlp generate's line: the block and the acceptance, --no-baseline or not
             from snlp.apps.common import NO_DRAFTS
@@ -321,8 +323,10 @@ class DistDecodeRow(DistBenchRow):
     matches_sequential: bool
     prompt_len: int
     new_tokens: int
+    repetition_penalty: float = 1.0  # the penalty every mode's decode applied (1: none) ...
+    repetition_penalty_source: str = "default"  # ... from: flag | generation_config (a converted --ckpt's) | default
     alpha: float | None = None  # speculative rows only
-    tokens_per_round: float | None = None
+    tokens_per_round: float | None = None  # output tokens per round (cut at a stop id)
     draft_ms_per_step: float | None = None
     verify_ms_per_round: float | None = None
     # every mode runs once per round: run i pairs with the pipelined sequential run i (snlp.bench.stats.paired_verdict)
@@ -394,6 +398,14 @@ def run_bench(args, spec: ModelSpec, unread_flags) -> int:
         blocks = dist_blocks(args.blocks)
         if args.prompt_len < 1 or args.new_tokens < 1 or not blocks or min(blocks) < 1:
             raise ValueError("--prompt-len, --new-tokens and every block size must be >= 1")
+        # as the single-process `snlp bench --decode` (snlp.apps.bench.bench_penalty): --repetition-penalty, else a
+        # converted --ckpt's generation_config value, else 1; checked before any rank starts
+        from snlp.apps.generation_defaults import check_penalty_flag, penalty_and_source
+        from snlp.io.checkpoint import checkpoint_tokenizer
+
+        check_penalty_flag(args.repetition_penalty)
+        tok = checkpoint_tokenizer(spec.ckpt) if spec.ckpt and args.repetition_penalty is None else None
+        args.repetition_penalty, args.repetition_penalty_source = penalty_and_source(args, tok)
     from snlp.apps.common import check_plans_fit, check_plans_grammar
 
     plans = check_plans_grammar(args.plans)
@@ -416,9 +428,18 @@ def prefill_line(world: int, r: DistPrefillRow) -> str:
         if r.speedup_tie:
             spread += ": tie" if r.speedup_lo <= 1.0 <= r.speedup_hi else \
                 f": tie, {r.runs} runs a side are too few for separated spreads to tell a difference"
-    return (f"[{world} ranks] {r.plan} prefill T={r.tokens} B={r.batch}: pipelined sequential "
+    return (f"[{n_ranks(world)}] {r.plan} prefill T={r.tokens} B={r.batch}: pipelined sequential "
             f"{r.pipeline_sequential_ms:.2f} ms, distributed SNLP {r.snlp_ms:.2f} ms "
             f"({r.speedup:.2f}x{spread}); max rank memory {r.max_rank_bytes / 1e6:.1f} MB")
+
+
+PENALTY_SOURCE = {"flag": "--repetition-penalty", "generation_config": "the --ckpt's generation_config",
+                  "default": "none: 1 = no penalty"}
+
+
+def n_ranks(world: int) -> str:
+    """"1 rank", "2 ranks": a line's count of the job's processes."""
+    return f"{world} rank{'s' if world != 1 else ''}"
 
 
 def dist_blocks(text: str) -> tuple[int, ...]:
@@ -459,19 +480,26 @@ def _run_bench_ranked(args, spec: ModelSpec, rank: int, world: int, device, core
     blocks = dist_blocks(args.blocks)
     counts = args.tokens if isinstance(args.tokens, tuple) else (args.tokens,)
     window, own = rank_load(device, cores, rank, torch.get_num_threads() > 1)
+    penalty = args.repetition_penalty if args.decode else 1.0  # resolved in run_bench
     recs = distributed_benchmark(model_fn, plans, counts[0], args.batch, args.warmup, args.runs, spec.seed,
-                                 args.decode, args.prompt_len, args.new_tokens, blocks, checkpoint=ckpt)
+                                 args.decode, args.prompt_len, args.new_tokens, blocks, checkpoint=ckpt,
+                                 repetition_penalty=penalty)
     if rank == 0:
         window.close()
         loads = load_averages()  # /proc/loadavg's strings, as the rows always carried them
         load = [] if loads is None else [f"{x:.2f}" for x in loads]
-        rows = [dist_bench_row(r, loadavg=load, pinned=bool(args.pin), threads=torch.get_num_threads())
+        rows = [dist_bench_row(r, loadavg=load, pinned=bool(args.pin), threads=torch.get_num_threads(),
+                               **(dict(repetition_penalty_source=args.repetition_penalty_source)
+                                  if r["what"] == "decode" else {}))
                 for r in recs]
+        if args.decode:  # the penalty every decode row ran with, and its source, above the rows
+            print(f"[{n_ranks(world)}] decode rows: repetition penalty {penalty:g} "
+                  f"({PENALTY_SOURCE[args.repetition_penalty_source]})")
         for r in rows:
             if isinstance(r, DistPrefillRow):
                 print(prefill_line(world, r))
             else:
-                print(f"[{world} ranks] {r.plan} decode {r.mode}{' B=' + str(r.block) if r.block else ''}: "
+                print(f"[{n_ranks(world)}] {r.plan} decode {r.mode}{' B=' + str(r.block) if r.block else ''}: "
                       f"{r.ms_per_token:.2f} ms/token ({r.speedup_vs_pipeline:.2f}x"
                       f"{tie_mark(r.speedup_rounds, r.speedup_vs_pipeline)} "
                       f"vs pipelined sequential){', =seq' if r.matches_sequential else ''}")
@@ -533,7 +561,8 @@ def run_simulate(args, unread_flags, shape_flags, defaults: dict) -> int:
                     floor_ms=1e-3 * args.op_floor_us if args.roofline_gbytes else 0.0)
         rows.append(SimulateRow(plan=str(plan), devices=P, link_gbps=link.gbps, link_latency_us=link.latency_us,
                                 tokens=counts[0], batch=args.batch, compute=source, shape=shape, prediction=p))
-        print(f"{plan} on {P} devices ({source}; link {link.gbps:g} Gbit/s, {link.latency_us:g} us): "
+        print(f"{plan} on {P} device{'s' if P != 1 else ''} ({source}; link {link.gbps:g} Gbit/s, "
+              f"{link.latency_us:g} us): "
               f"sequential {p.sequential_ms:.3f} ms, pipeline {p.pipeline_ms:.3f} ms, tensor parallel "
               f"{p.tensor_parallel_ms:.3f} ms, SNLP {p.snlp_ms:.3f} ms (SNLP comm {p.comm_snlp_ms:.3f} ms, "
               f"TP comm {p.comm_tp_ms:.3f} ms); weights {p.fits_one_device_gb:.1f} GB")

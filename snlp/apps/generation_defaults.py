@@ -90,11 +90,19 @@ def check_penalty_flag(p: float | None) -> None:
 def resolve_penalty(args, tok) -> float:
     """The repetition penalty this run applies: --repetition-penalty, else a converted model's generation_config
     value (transformers' generate() applies it by default), else 1 (none)."""
+    return penalty_and_source(args, tok)[0]
+
+
+def penalty_and_source(args, tok) -> tuple[float, str]:
+    """`resolve_penalty`'s value and where it came from, as the run's records name it: "flag"
+    (--repetition-penalty), "generation_config" (a converted model's value) or "default" (1, none)."""
     from snlp.io.generation import model_repetition_penalty
 
     if args.repetition_penalty is not None:
-        return float(args.repetition_penalty)
-    return model_repetition_penalty(tok, f"{args.ckpt}: its generation_config")
+        return float(args.repetition_penalty), "flag"
+    p = model_repetition_penalty(tok, f"{args.ckpt}: its generation_config")
+    cfg = (tok.meta.get("generation_config") or {}) if tok is not None and tok.foreign else {}
+    return p, "default" if cfg.get("repetition_penalty") is None else "generation_config"
 
 
 def sampling_record(args) -> dict:

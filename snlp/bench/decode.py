@@ -220,7 +220,7 @@ class BatchDecodeRow:
     matches_sequential: bool  # every row equals its own single-prompt sequential greedy output, every run
     alpha: float | None
     tokens_per_round: float | None
-    drafted_per_round: float | None
+    drafted_per_round: float | None  # drafter work: drafts made per round, those after an accepted stop id too
     new_tokens: int
     prompt_lens: list
     runs: int

@@ -8,7 +8,7 @@ from typing import Callable
 from snlp.decode.batch import check_decode_inputs, is_batch
 from snlp.decode.penalty import check_repetition_penalty
 from snlp.decode.session import (GREEDY, NONFINITE, DecodeSession, GenerateResult, check_decode_args, check_picked,
-                                 cut_at_stop, decode_plan, pick_tokens, sequential_forward)
+                                 decode_plan, pick_tokens, sequential_forward)
 from snlp.decode.steps import snlp_step
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
@@ -118,10 +118,7 @@ def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, bloc
             cache.rollback(P + n + 1)
             carry = pred[n + 1:]
             carry = carry[: carry.index(NONFINITE)] if NONFINITE in carry else carry
-            # a kept guess that is a stop id ends the output (emit cuts it): alpha counts up to it, examines none after
-            end = cut_at_stop(g[:n], ses.stops)
-            res.add_round(Bk, n if end is None else len(end), steps=it + 1, forwards=it + 1, draft_s=t1 - t0,
-                          verify_s=now(dev) - t1, ended=end is not None)
+            res.add_round(g, n, ses.stops, steps=it + 1, forwards=it + 1, draft_s=t1 - t0, verify_s=now(dev) - t1)
             if pen is not None:
                 pen.add(ses.ids(g[:n] + [pred[n]]))
             ses.emit(g[:n] + [pred[n]])

@@ -36,8 +36,10 @@ class GenerateResult:
     forwards: int = 0  # forwards on the critical path (each SNLP solve counts once); with read_every > 1 they
     # include the steps a row ran past its EOS inside its last read (computed, tokens dropped), as `steps` does
     rounds: int = 0  # speculative/Jacobi rounds
-    drafted: int = 0  # draft tokens proposed
-    accepted: int = 0  # draft tokens accepted
+    drafted: int = 0  # drafter work: draft tokens proposed, all of them (a round's drafts after an accepted stop id too)
+    usable: int = 0  # drafts that could have entered the output: each round's drafts up to the output's end (all of
+    # them, or up to and including the accepted draft that is a stop id); the denominator of accepted_fraction
+    accepted: int = 0  # draft tokens accepted into the output (none after an accepted stop id)
     examined: int = 0  # draft tokens compared: accepted ones + the first rejection of each round
     draft_steps: int = 0
     draft_s: float = 0.0  # time in the drafter's single-token steps (forward + next-token pick)
@@ -48,17 +50,21 @@ class GenerateResult:
     compile_s: float = 0.0  # compiling the static-shape steps (--compile), done before any timing
     extra: dict = field(default_factory=dict)
 
-    def add_round(self, drafted: int, accepted: int, steps: int, forwards: int, draft_s: float,
-                  verify_s: float, ended: bool = False) -> None:
-        """Count one speculative / Jacobi round: `drafted` guesses of which the leading `accepted` were kept
-        (examined: those plus the first rejection, if any), `steps` drafter steps, `forwards` on the critical
-        path, and the draft / verify time. `ended`: the last kept guess ended the output (a stop id), so the
-        guesses after it were not examined (whatever the verifier said of them)."""
+    def add_round(self, drafts: list[int], kept: int, stops: frozenset[int], steps: int, forwards: int,
+                  draft_s: float, verify_s: float) -> None:
+        """Count one speculative / Jacobi round: the drafter proposed `drafts`, the verifier kept the leading `kept`
+        of them (examined: those plus the first rejection, if any), `steps` drafter steps, `forwards` on the
+        critical path, and the draft / verify time. A kept draft that is one of `stops` ends the output there (the
+        session's emit cuts it): the drafts after it are drafter work the decode drops, so they count in `drafted`
+        only, and alpha counts up to that stop and examines nothing after it (whatever the verifier said)."""
+        end = cut_at_stop(drafts[:kept], stops)
+        accepted = kept if end is None else len(end)
         self.rounds += 1
         self.draft_steps += steps
-        self.drafted += drafted
+        self.drafted += len(drafts)
+        self.usable += len(drafts) if end is None else accepted
         self.accepted += accepted
-        self.examined += accepted + (accepted < drafted and not ended)
+        self.examined += accepted + (accepted < len(drafts) and end is None)
         self.forwards += forwards
         self.draft_s += draft_s
         self.verify_s += verify_s
@@ -75,6 +81,7 @@ class GenerateResult:
 
     @property
     def tokens_per_round(self) -> float:
+        """Output tokens per round (the output ends at its stop id: nothing drafted after it counts)."""
         return len(self.tokens) / self.rounds if self.rounds else float("nan")
 
     @property
@@ -93,7 +100,9 @@ class GenerateResult:
             # no drafts examined (one new token, the prefill's): no rate, null in JSON rather than NaN
             d.update(acceptance_rate=self.acceptance_rate if self.examined else None,
                      tokens_per_round=self.tokens_per_round,
-                     accepted_fraction=self.accepted / self.drafted if self.drafted else None)
+                     # the share of the drafts that could have entered the output that did (drafter work
+                     # dropped after an accepted stop id is in `drafted`, not here)
+                     accepted_fraction=self.accepted / self.usable if self.usable else None)
         return d
 
 
@@ -103,7 +112,7 @@ def merge_results(results: list[GenerateResult]) -> GenerateResult:
     first = results[0]
     agg = GenerateResult(tokens=[t for r in results for t in r.tokens], mode=first.mode, plan=first.plan,
                          block=first.block)
-    for f in ("decode_s", "prefill_s", "forwards", "rounds", "drafted", "accepted", "examined", "draft_steps",
+    for f in ("decode_s", "prefill_s", "forwards", "rounds", "drafted", "usable", "accepted", "examined", "draft_steps",
               "draft_s", "verify_s", "steps", "step_s", "jacobi_iters", "compile_s"):
         setattr(agg, f, sum(getattr(r, f) for r in results))
     return agg

@@ -15,7 +15,7 @@ from torch import Tensor
 from snlp.decode.batch import BatchSession, check_batch_plan, check_decode_inputs, is_batch
 from snlp.decode.penalty import RepetitionPenalty, check_repetition_penalty, pick_penalised
 from snlp.decode.generate import sequential_generate
-from snlp.decode.session import (NONFINITE, GenerateResult, Sampling, check_decode_args, check_picked, cut_at_stop,
+from snlp.decode.session import (NONFINITE, GenerateResult, Sampling, check_decode_args, check_picked,
                                  decode_plan, merge_results, sampling, sequential_forward, snlp_forward, step_slack)
 from snlp.decode.steps import EagerStep, Step
 from snlp.method.drafter import Drafter
@@ -708,14 +708,10 @@ def _speculative_rows(model: GPT, prompts, plan: Plan, draft_fwd, verify_fwd, bl
             for j in sorted(live):
                 if ctl is not None:
                     ctl.update(j, len(drafts[j]), ns[j])
-                # the row's own counts: its drafter steps (its share of the round's drafting time) and its verifier.
-                # An accepted draft that is a stop id ends the output there (emit cuts it): the drafts after it are
-                # no part of the decode, so alpha counts up to it and examines nothing after it
-                end = cut_at_stop(drafts[j][: ns[j]], ses.stops)
-                ses.results[ses.rows[j]].add_round(len(drafts[j]), ns[j] if end is None else len(end),
-                                                   steps=len(drafts[j]), forwards=len(drafts[j]) + 1,
-                                                   draft_s=draft_s * len(drafts[j]) / max(steps, 1), verify_s=verify_s,
-                                                   ended=end is not None)
+                # the row's own counts: its drafter steps (its share of the round's drafting time) and its verifier
+                ses.results[ses.rows[j]].add_round(drafts[j], ns[j], ses.stops, steps=len(drafts[j]),
+                                                   forwards=len(drafts[j]) + 1,
+                                                   draft_s=draft_s * len(drafts[j]) / max(steps, 1), verify_s=verify_s)
                 tail = [] if nxt[j] is None else [nxt[j]]  # None: _unpoison accepted all, no next token
                 ses.emit(j, drafts[j][: ns[j]] + tail, ns[j] + len(tail))
             keep = ses.live()

@@ -76,7 +76,7 @@ from snlp.method.plan import Plan
 from snlp.method.scan import affine_scan
 from snlp.decode.penalty import check_repetition_penalty
 from snlp.decode.session import (DecodeSession, GenerateResult, Sampling, check_decode_args, check_picked,
-                                 check_stream, cut_at_stop, make_generator, sampling)
+                                 check_stream, make_generator, sampling)
 from snlp.decode.speculative import penalised_draft_pick, speculative_verdict
 from snlp.method.preheat import Preheat
 from snlp.runtime.timing import now, round_order
@@ -704,10 +704,8 @@ class DistributedSNLP:
         nacc, nxt = self._tokens_from_last(verdict, 2)
         check_picked([nxt], None, len(ses.out) + nacc)  # the verifier's NaN/inf logits: every rank raises
         cache.rollback(P + nacc + 1)
-        # a kept draft that is a stop id ends the output (emit cuts it): alpha counts up to it, examines none after
-        end = cut_at_stop(drafts[:nacc], ses.stops)
-        res.add_round(Bk, nacc if end is None else len(end), steps=Bk, forwards=Bk + 1, draft_s=t2 - t1,
-                      verify_s=now(self.device) - t2, ended=end is not None)
+        res.add_round(drafts, nacc, ses.stops, steps=Bk, forwards=Bk + 1, draft_s=t2 - t1,
+                      verify_s=now(self.device) - t2)
         ses.emit(drafts[:nacc] + [nxt])
 
 
@@ -736,11 +734,13 @@ def _timed(fn, warmup: int, runs: int) -> list[float]:
 
 def distributed_benchmark(model_fn, plans: list[Plan], tokens: int, batch: int, warmup: int, runs: int, seed: int,
                           decode: bool = False, prompt_len: int = 16, new_tokens: int = 32,
-                          blocks: tuple[int, ...] = (4,), checkpoint=None) -> list[dict]:
+                          blocks: tuple[int, ...] = (4,), checkpoint=None,
+                          repetition_penalty: float = 1.0) -> list[dict]:
     """On every rank: per plan, the distributed SNLP prefill (T tokens) vs the layer-pipelined sequential
     forward, and with `decode` the per-token latency of pipelined sequential, distributed SNLP and
     speculative decoding. `model_fn()` builds the (same) model on every rank; with `checkpoint` (a
-    snlp.dist.load.RankCheckpoint) it builds it on meta and the rank reads only its own layers. Medians in ms."""
+    snlp.dist.load.RankCheckpoint) it builds it on meta and the rank reads only its own layers. Every decode of
+    every mode applies `repetition_penalty` (1: none; the decode records carry it). Medians in ms."""
     import statistics
 
     recs = []
@@ -785,7 +785,8 @@ def distributed_benchmark(model_fn, plans: list[Plan], tokens: int, batch: int, 
             res: dict = {m: [] for m in modes}
             for i in range(warmup + runs):
                 for mode, b in round_order(modes, i):  # rotated, so no mode always runs first
-                    r = runner.generate(prompt, mode, new_tokens, block=max(b, 1))
+                    r = runner.generate(prompt, mode, new_tokens, block=max(b, 1),
+                                        repetition_penalty=repetition_penalty)
                     if i >= warmup:
                         res[(mode, b)].append(r)
             seq_ms = statistics.median(1e3 * r.decode_s / len(r.tokens) for r in res[("sequential", 0)])
@@ -794,16 +795,16 @@ def distributed_benchmark(model_fn, plans: list[Plan], tokens: int, batch: int, 
                 ms = statistics.median(1e3 * r.decode_s / len(r.tokens) for r in rs)
                 rec = {**dbase, "what": "decode", "mode": mode, "block": b or None, "ms_per_token": ms,
                        "speedup_vs_pipeline": seq_ms / ms, "matches_sequential": rs[0].tokens == ref,
-                       "prompt_len": prompt_len, "new_tokens": new_tokens,
+                       "prompt_len": prompt_len, "new_tokens": new_tokens, "repetition_penalty": repetition_penalty,
                        # run i of every mode ran in round i (paired with the sequential row's run i)
                        "ms_per_token_runs": [1e3 * r.decode_s / len(r.tokens) for r in rs],
                        "sequential_ms_per_token_runs": [1e3 * r.decode_s / len(r.tokens)
                                                         for r in res[("sequential", 0)]]}
                 if mode == "speculative":
-                    drafted = rs[0].examined  # one new token (the prefill's) drafts nothing: not measured, None
-                    rec.update(alpha=rs[0].acceptance_rate if drafted else None,
+                    examined = rs[0].examined  # one new token (the prefill's) drafts nothing: not measured, None
+                    rec.update(alpha=rs[0].acceptance_rate if examined else None,
                                tokens_per_round=rs[0].tokens_per_round,
-                               draft_ms_per_step=statistics.median(r.draft_ms_per_step for r in rs) if drafted
+                               draft_ms_per_step=statistics.median(r.draft_ms_per_step for r in rs) if examined
                                else None,
                                verify_ms_per_round=statistics.median(1e3 * r.verify_s / r.rounds for r in rs))
                 recs.append(rec)

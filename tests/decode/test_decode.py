@@ -471,7 +471,7 @@ def test_bad_arguments():
 
 def test_generate_result_stats():
     r = GenerateResult(tokens=[1, 2, 3, 4], mode="speculative", decode_s=2.0, rounds=2, accepted=2, examined=3,
-                       drafted=4, draft_steps=4, draft_s=0.4, block=2)
+                       drafted=4, usable=4, draft_steps=4, draft_s=0.4, block=2)
     assert r.tokens_per_s == 2.0 and r.tokens_per_round == 2.0 and r.acceptance_rate == pytest.approx(2 / 3)
     assert r.to_dict()["accepted_fraction"] == 0.5 and r.draft_ms_per_step == pytest.approx(100.0)
 

@@ -88,7 +88,7 @@ def _eos_worker(rank: int, world: int, port: int, out: str) -> None:
     for e in range(N):
         if free[e] not in free[:e]:
             r = runner.generate(PROMPTS[0], "speculative", N, block=3, eos_id=free[e])
-            res[e] = (r.tokens, r.accepted, r.examined, r.rounds)
+            res[e] = (r.tokens, r.accepted, r.examined, r.rounds, r.drafted, r.usable)
     torch.save(res, os.path.join(out, f"eos{rank}.pt"))
     dist.destroy_process_group()
 
@@ -96,14 +96,16 @@ def _eos_worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.parametrize("world", [1, 2])
 def test_distributed_speculative_acceptance_stops_at_the_eos_a_round_accepted(world, tmp_path):
     """An accepted draft that is the EOS ends the output: the drafts after it are no part of the decode, so alpha's
-    counts stop there, as the single-process decoder's do (they counted the whole round). Every EOS candidate of
+    counts stop there, as the single-process decoder's do (they counted the whole round), and the drafts after it
+    count as drafter work (drafted) but not as usable drafts, as there too. Every EOS candidate of
     the free output; the single-process counts are the reference. The drafter is exact (K = C), so every round
     accepts its drafts and an EOS among them has accepted drafts after it."""
     _spawn(_eos_worker, world, str(tmp_path))
     model = _model()
     got = torch.load(tmp_path / "eos0.pt")
     assert got
-    for e, (tokens, accepted, examined, rounds) in got.items():
+    for e, (tokens, accepted, examined, rounds, drafted, usable) in got.items():
         ref = speculative_generate(model, PROMPTS[0], EXACT, block=3, max_new_tokens=N, eos_id=tokens[-1])
         assert accepted <= len(tokens) - rounds + 1
-        assert (tokens, accepted, examined, rounds) == (ref.tokens, ref.accepted, ref.examined, ref.rounds), e
+        assert (tokens, accepted, examined, rounds, drafted, usable) == (ref.tokens, ref.accepted, ref.examined,
+                                                                         ref.rounds, ref.drafted, ref.usable), e

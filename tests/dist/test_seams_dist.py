@@ -14,6 +14,7 @@ from conftest import make_model, tokens, free_port as _free_port, init_gloo as _
 
 from snlp.method import preheat
 from snlp.decode.generate import sequential_generate, snlp_generate
+from snlp.method.plan import Plan
 from snlp.method.solver import solve
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -211,6 +212,7 @@ def test_distributed_generate_says_what_single_process_generate_says(chat_ckpt):
                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()})
     assert out.returncode == 0, out.stderr[-3000:]
     assert ", B=3, alpha=" in out.stdout and "tokens/round=" in out.stdout
+    assert " over 1 rank] " in out.stdout  # was "over 1 ranks"
     assert "the prompt is empty" in out.stderr and "past the model's trained context" in out.stderr
 
 
@@ -238,6 +240,83 @@ def test_distributed_generate_applies_the_repetition_penalty(chat_ckpt, tmp_path
     assert out.returncode == 0, out.stderr[-3000:]
     rec = json.loads((tmp_path / "dist.json").read_text())
     assert rec["tokens"] == want and rec["sequential_tokens"] == want and rec["matches_sequential"]
+    # the record names the penalty that ran and whence, as single-process `snlp generate --json` does
+    assert (rec["repetition_penalty"], rec["repetition_penalty_source"]) == (0.8, "flag")
+
+
+@pytest.fixture(scope="module")
+def penalised_ckpt(tmp_path_factory):
+    """A tiny checkpoint whose (converted-model kind of) tokenizer carries a generation_config with
+    repetition_penalty 1.3, as `snlp convert` keeps a transformers model's."""
+    from snlp.io.checkpoint import save_checkpoint
+    from snlp.io.tokenizer import BOS, MIN_VOCAB, Tokenizer
+
+    bpe = Tokenizer.train([CHAT_TEXT], vocab_size=MIN_VOCAB + 40)
+    tok = Tokenizer(bpe.tok, {"bos_token": BOS, "eos_token": "<|assistant_end|>", "chat_template": CHAT_TEMPLATE,
+                              "generation_config": {"repetition_penalty": 1.3}})
+    model = make_model(seed=3, dtype=torch.float32, vocab_size=tok.vocab_size, n_layer=4, n_head=2, n_kv_head=1,
+                       n_embd=32, sequence_len=64, scale=0.15)
+    return save_checkpoint(tmp_path_factory.mktemp("pen") / "tiny-pen", model, tokenizer=tok)
+
+
+def test_distributed_bench_decode_applies_the_penalty_it_names(penalised_ckpt, tmp_path):
+    """`snlp bench --distributed --decode --ckpt C` with a generation_config repetition_penalty decoded without it
+    and said nothing (and refused --repetition-penalty): now, as the single-process `snlp bench --decode`, every
+    decode row runs with the config's value, or the flag's, and the header line and each row's JSON say which value
+    and whence. The printed rank count reads "1 rank" (was "1 ranks")."""
+    import json
+    import subprocess
+    import sys
+
+    def bench(*flags):
+        out = tmp_path / "b.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_free_port()}",
+               "-m", "snlp", "bench", "--distributed", "--decode", "--ckpt", str(penalised_ckpt), "--plans",
+               "2xF1-h0-K1", "--tokens", "4", "--prompt-len", "4", "--new-tokens", "4", "--blocks", "2", "--runs",
+               "1", "--warmup", "0", "--json", str(out), *flags]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()})
+        assert run.returncode == 0, run.stderr[-3000:]
+        rows = [r for r in json.loads(out.read_text()) if "mode" in r]
+        assert len(rows) == 3  # sequential, snlp, speculative B=2
+        return run.stdout, rows
+
+    text, rows = bench()
+    assert {(r["repetition_penalty"], r["repetition_penalty_source"]) for r in rows} == {(1.3, "generation_config")}
+    assert "[1 rank] decode rows: repetition penalty 1.3 (the --ckpt's generation_config)" in text
+    assert "1 ranks" not in text and "[1 rank] 2xF1-h0-K1 decode speculative B=2" in text
+    text, rows = bench("--repetition-penalty", "1.1")
+    assert {(r["repetition_penalty"], r["repetition_penalty_source"]) for r in rows} == {(1.1, "flag")}
+    assert "repetition penalty 1.1 (--repetition-penalty)" in text
+
+
+def _bench_penalty_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from snlp.dist.layer_parallel import DistributedSNLP, distributed_benchmark
+
+    _init(rank, world, port)
+    seen = []
+    real = DistributedSNLP.generate
+
+    def spy(self, *a, **k):
+        seen.append(k.get("repetition_penalty", 1.0))
+        return real(self, *a, **k)
+
+    DistributedSNLP.generate = spy
+    recs = distributed_benchmark(lambda: make_model(seed=2, vocab_size=13), [Plan.parse("4xF1-h0-K1")], 4, 1, 0, 1,
+                                 0, decode=True, prompt_len=3, new_tokens=5, blocks=(2,), repetition_penalty=1.3)
+    torch.save({"seen": seen, "recs": [r for r in recs if r["what"] == "decode"]}, os.path.join(out, f"b{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_distributed_benchmark_decodes_every_mode_with_the_penalty(tmp_path):
+    """distributed_benchmark(repetition_penalty=p): every decode call of every mode applies p (it took no penalty:
+    its decodes ran unpenalised), and each decode record carries p."""
+    _spawn(_bench_penalty_worker, 1, str(tmp_path))
+    got = torch.load(tmp_path / "b0.pt")
+    assert got["seen"] and set(got["seen"]) == {1.3}
+    assert len(got["recs"]) == 3 and all(r["repetition_penalty"] == 1.3 for r in got["recs"])
 
 
 @pytest.mark.parametrize("argv, msg", [
@@ -290,8 +369,10 @@ def test_distributed_generate_applies_the_repetition_penalty(chat_ckpt, tmp_path
     # flags the run does not read would change nothing
     (["bench", "--distributed", "--depth", "4", "--link-gbps", "5"],
      "--link-gbps is not read by `snlp bench --distributed` without --decode"),
-    (["bench", "--distributed", "--depth", "4", "--decode", "--repetition-penalty", "1.2"],
-     "--repetition-penalty is not read by `snlp bench --distributed --decode`"),
+    (["bench", "--distributed", "--depth", "4", "--decode", "--repetition-penalty", "0"],
+     "--repetition-penalty must be a finite number > 0"),
+    (["bench", "--distributed", "--depth", "4", "--repetition-penalty", "1.2"],
+     "--repetition-penalty is not read by `snlp bench --distributed` without --decode"),
     (["bench", "--distributed", "--depth", "4", "--blocks", "2"],
      "--blocks is not read by `snlp bench --distributed` without --decode"),
     (["bench", "--suite", "paper", "--distributed"], "--distributed is not read by `snlp bench --suite paper`"),

@@ -484,3 +484,33 @@ def test_an_integer_generation_config_penalty_is_refused_as_transformers_refuses
                  "--repetition-penalty", "2"]) == 0  # the flag overrides the config's value, as in transformers
     assert "transformers' generate() raises on this model's generation_config's repetition_penalty=2 unless the call " \
            "gives one; this run applies --repetition-penalty 2" in capsys.readouterr().err
+
+
+def test_generate_json_records_the_penalty_that_ran_and_its_source(hf_dir, tmp_path):
+    """`snlp generate --json` did not record the repetition penalty it applied (a converted model's
+    generation_config value ran unrecorded): the record now holds the value every decode applied and its source,
+    flag / generation_config / default, for --prompt and --prompts-file; the tokens are the penalised decode's."""
+    d, _, _ = hf_dir
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(d))
+    hf.generation_config.update(repetition_penalty=1.3)
+    src = tmp_path / "pen"
+    hf.save_pretrained(str(src))
+    word_tokenizer(V).save_pretrained(str(src))
+    assert main(["convert", str(src), "--out", str(tmp_path / "ck")]) == 0
+    assert main(["convert", str(d), "--out", str(tmp_path / "plain")]) == 0
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("t3 t7\nt5\n")
+    model, tok = load(tmp_path / "ck")
+    for ck, flags, want in (("ck", [], (1.3, "generation_config")), ("ck", ["--repetition-penalty", "1.1"],
+                                                                     (1.1, "flag")),
+                            ("plain", [], (1.0, "default"))):
+        for where in (["--prompt", "t3 t7"], ["--prompts-file", str(prompts)]):
+            out = tmp_path / "g.json"
+            assert main(["generate", str(tmp_path / ck), *where, "--max-new-tokens", "6", "--quiet", "--json",
+                         str(out), *flags]) == 0
+            rec = json.loads(out.read_text())
+            assert (rec["repetition_penalty"], rec["repetition_penalty_source"]) == want, (ck, flags, where)
+            if ck == "ck" and where[0] == "--prompt":
+                ref = sequential_generate(model, tok.prompt_ids("t3 t7"), 6, eos_id=list(tok.stop_ids),
+                                          repetition_penalty=want[0]).tokens
+                assert rec["tokens"] == ref
