@@ -831,6 +831,8 @@ def test_a_prompt_starting_with_a_minus_and_a_digit_is_the_prompt(monkeypatch):
     (["eval", "{o}", "--plans", "1xF1-h0-K1", "--max-tokns=64"],
      "unrecognized arguments: --max-tokns=64 (did you mean --max-tokens?)"),
     (["generate", "{o}", "extra"], "unrecognized arguments: extra; `snlp generate --help` lists its options"),
+    (["eval", "{o}", "--plans", "1xF1-h0-K1,", "1xF1-h0-K2"],
+     "unrecognized arguments: 1xF1-h0-K2 (a comma-separated list is one word: no space after its commas)"),
 ])
 def test_an_unknown_flag_is_one_line_of_its_command_with_the_flag_meant(argv, says, tmp_path, capsys):
     """argparse answered a misspelt flag with the top-level usage ('usage: snlp [-h] COMMAND ...') and 'snlp: error:
