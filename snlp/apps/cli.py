@@ -466,11 +466,33 @@ def attach_negative_values(parser: argparse.ArgumentParser, argv: list[str]) -> 
     return out
 
 
+def unrecognized(sub: argparse.ArgumentParser, extra: list[str], argv: list[str]) -> str:
+    """The error for words `sub` does not take: the words, and for a misspelt flag (--temprature) the flag of the
+    command it is closest to, and for a list written with spaces after its commas (`--plans A, B`) that it is one
+    word, so that a typo is answered with the fix rather than the top-level usage line."""
+    import difflib
+
+    flags = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for word in extra:
+        if word.startswith("--"):
+            close = difflib.get_close_matches(word.split("=", 1)[0], flags, n=1, cutoff=0.75)
+            hints += close
+    hint = f" (did you mean {' '.join(hints)}?)" if hints else ""
+    if any(a.endswith(",") and b in extra for a, b in zip(argv, argv[1:])):  # --plans A, B
+        hint += " (a comma-separated list is one word: no space after its commas)"
+    return f"unrecognized arguments: {' '.join(extra)}{hint}; `{sub.prog} --help` lists its options"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(command_of(argv))
     argv = attach_negative_values(parser, argv)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # one line naming the sub-command (argparse's names the top-level parser after its usage)
+        sub = parser.commands[args.command]
+        print(f"{sub.prog}: error: {unrecognized(sub, extra, argv)}", file=sys.stderr)
+        return 2
     args.given = given_flags(parser, argv, args)  # what --resume keeps from the saved run: the flags not typed
     formatwarning, warnings.formatwarning = warnings.formatwarning, one_line_warning  # the library's warnings as
     made = []

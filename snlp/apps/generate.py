@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from snlp.apps.generation_defaults import check_penalty_flag, defaults_note, penalty_and_source, sampling_record
@@ -248,6 +249,32 @@ def decode(args, model, prompt, plan, preheat, eos_id, on_tokens, steps: dict | 
     return jacobi_generate(model, prompt, plan, block=args.block, preheat=preheat, **kw)
 
 
+@contextmanager
+def keep_on_interrupt(args, stats: str, record: dict):
+    """Ctrl-C (or a signal raised as one) in speculative mode's timed comparison, which runs after the generation:
+    the generation is done, so its summary line is printed and --json written (with "timing": "interrupted" and no
+    timing fields) before the interrupt goes on; the command's interrupt line then says what was kept
+    (interrupt_hint). Without this, minutes of decoding (a converted model's chat answer) were lost with the timing."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        record["timing"] = "interrupted"
+        print(f"{stats}; the timing against sequential decoding was interrupted (--no-baseline skips it)")
+        if args.json:
+            from snlp.runtime.device import write_json
+
+            write_json(args.json, record)
+        args.kept = "the generation and its statistics are printed above" + \
+            (f" and written to {args.json} (\"timing\": \"interrupted\")" if args.json else "") + \
+            "; only the timing was cut (--no-baseline skips it)"
+        raise
+
+
+def interrupt_hint(args) -> str:
+    """What an interrupted `snlp generate` kept: set by keep_on_interrupt where the cut came in the timing."""
+    return getattr(args, "kept", "")
+
+
 def baseline(args, model, prompt, plan, preheat, eos_id, res, record: dict, drafter=None) -> str:
     """s and the measured speedup of a speculative run: both sides warm, repeated, medians, stopping at the same
     EOS as the run itself (like for like). Fills `record`, returns the summary's tail."""
@@ -408,7 +435,8 @@ def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
 
         stats += f", alpha={acc / exam:.3f}" if exam else f", {NO_DRAFTS}"
         if not args.no_baseline:  # batched sequential decoding of the same batches: tokens and speed side by side
-            seq, seq_wall = decode_batches(args, model, prompts, plan, preheat, eos_id, mode="sequential")
+            with keep_on_interrupt(args, stats, record):
+                seq, seq_wall = decode_batches(args, model, prompts, plan, preheat, eos_id, mode="sequential")
             record["sequential_tokens_per_s"] = sum(len(r.tokens) for r in seq) / seq_wall
             # sampled: each side draws its own tokens (the same law, not the same draws), so there is nothing
             # to compare token for token
@@ -523,7 +551,8 @@ def run(args) -> int:
         stats += f", B={res.block}, {alpha}, tokens/round={res.tokens_per_round:.2f}"
     if res.mode == "speculative" and not args.no_baseline:
         window = begin_timing([torch.get_num_threads()], device, remedy=None)  # generate has no --threads
-        stats += baseline(args, model, prompt, plan, preheat, eos_id, res, record, drafter)
+        with keep_on_interrupt(args, stats, record):
+            stats += baseline(args, model, prompt, plan, preheat, eos_id, res, record, drafter)
         record["load"] = window.close().to_json()
         # above the summary, which stays the last line (before --json's) for whoever reads it
         say_contention(window, [torch.get_num_threads()], device)

@@ -25,7 +25,8 @@ def is_terminal(stream) -> bool:
 @dataclass
 class LineProgress:
     """A tqdm-compatible progress reporter that writes plain lines to `file`: 'desc: n/total (p%) 12s',
-    at most one per `interval` seconds, plus one when closed (the stage's total time)."""
+    at most one per `interval` seconds, plus one when closed (the stage's total time: 'done in' where it reached
+    its total, 'stopped after' where it was closed short of it)."""
 
     total: int | None
     desc: str
@@ -45,6 +46,8 @@ class LineProgress:
         count = f"{self.n}/{self.total}" if self.total is not None else f"{self.n}"
         secs = time.perf_counter() - self.start
         tail = f" | {self.postfix}" if self.postfix else ""
+        if done and self.total is not None and self.n < self.total:  # closed short of its total (Ctrl-C, a
+            return f"{self.desc}: {count}{frac} stopped after {secs:.1f}s{tail}"  # budget, an early end): not done
         return f"{self.desc}: {count}{frac} {'done in' if done else 'at'} {secs:.1f}s{tail}"
 
     def _emit(self, msg: str) -> None:

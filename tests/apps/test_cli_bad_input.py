@@ -823,3 +823,21 @@ def test_a_prompt_starting_with_a_minus_and_a_digit_is_the_prompt(monkeypatch):
     argv = cli.attach_negative_values(parser, ["generate", "ckpt", "--prompt", "-5 apples", "--", "-x"])
     assert argv == ["generate", "ckpt", "--prompt=-5 apples", "--", "-x"]
     assert parser.parse_args(argv[:-2]).prompt == "-5 apples"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["generate", "{o}", "--prompt", "hi", "--temprature", "0.5"],
+     "unrecognized arguments: --temprature 0.5 (did you mean --temperature?)"),
+    (["eval", "{o}", "--plans", "1xF1-h0-K1", "--max-tokns=64"],
+     "unrecognized arguments: --max-tokns=64 (did you mean --max-tokens?)"),
+    (["generate", "{o}", "extra"], "unrecognized arguments: extra; `snlp generate --help` lists its options"),
+    (["eval", "{o}", "--plans", "1xF1-h0-K1,", "1xF1-h0-K2"],
+     "unrecognized arguments: 1xF1-h0-K2 (a comma-separated list is one word: no space after its commas)"),
+])
+def test_an_unknown_flag_is_one_line_of_its_command_with_the_flag_meant(argv, says, tmp_path, capsys):
+    """argparse answered a misspelt flag with the top-level usage ('usage: snlp [-h] COMMAND ...') and 'snlp: error:
+    unrecognized arguments', naming neither the command nor the flag meant."""
+    rc = main([a.replace("{o}", str(tmp_path / "o")) for a in argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith(f"snlp {argv[0]}: error: ") and says in err[0], err
+    assert not (tmp_path / "o").exists()

@@ -556,3 +556,36 @@ def test_decoding_past_the_trained_context_is_said(ckpt, tmp_path, capsys):
     f.write_text("First Citizen:\nSecond:\n")
     assert main(["generate", str(ckpt), "--prompts-file", str(f), "--max-new-tokens", "127", "--quiet"]) == 0
     assert "trained context (128 tokens)" in capsys.readouterr().err
+
+
+def test_ctrl_c_in_the_timing_keeps_the_generation(ckpt, tmp_path, monkeypatch, capsys):
+    """Ctrl-C in speculative mode's timed comparison (after the generation, minutes on a converted model) lost the
+    generation: no summary line, no --json, 'snlp generate: interrupted'. Now both are kept and the line says so."""
+    import snlp.decode.speculative as speculative
+
+    seq = _gen(ckpt, tmp_path, "--mode", "sequential")
+
+    def cut(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(speculative, "speculative_benchmark", cut)
+    for extra in ([], ["--prompts-file", str(tmp_path / "p.txt"), "--batch-size", "2"]):
+        (tmp_path / "p.txt").write_text("First Citizen:\nAll: Speak\n")
+        if extra:  # the batched comparison decodes sequentially after the batch: cut it there
+            import snlp.apps.generate as generate
+
+            real = generate.decode_batches
+            monkeypatch.setattr(generate, "decode_batches", lambda *a, mode=None, **kw: cut() if mode else
+                                real(*a, **kw))
+        out = tmp_path / "cut.json"
+        argv = ["generate", str(ckpt), "--max-new-tokens", "24", "--json", str(out), "--mode", "speculative",
+                "--plan", "2xF2-h0-K1", "--block", "3", *(extra or ["--prompt", "First Citizen:"])]
+        capsys.readouterr()
+        assert main(argv) == 130
+        cap = capsys.readouterr()
+        rec = json.loads(out.read_text())
+        assert rec["timing"] == "interrupted"
+        got = [r["tokens"] for r in rec["results"]][0] if extra else rec["tokens"]
+        assert got == seq["tokens"]  # the generation, exact, kept
+        assert "the timing against sequential decoding was interrupted" in cap.out.splitlines()[-2]
+        assert f"written to {out}" in cap.err.strip().splitlines()[-1]

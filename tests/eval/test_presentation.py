@@ -392,3 +392,21 @@ def test_the_note_of_one_validation_window_says_prefill_is_tested_like_speedup_n
     speedup, prefill, dppl = (note.index(s) for s in ("Speedup (the median", "Prefill (the ratio", "ΔPPL: untested"))
     assert speedup < prefill < dppl and note[prefill - 2:prefill] == ". "
     assert "over 1 window of 16 tokens (16 predicted tokens)" in protocol_note([seq, plan])
+
+
+def test_a_progress_line_closed_short_of_its_total_says_stopped_not_done():
+    """Ctrl-C in `snlp eval`'s decode timing printed 'decode timing (round-robin): 26/69 (38%) done in 3.8s'."""
+    from snlp.runtime.progress import LineProgress
+
+    out = io.StringIO()
+    try:
+        with LineProgress(69, "stage", out, interval=1e9) as bar:
+            bar.update(26)
+            raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        pass
+    assert out.getvalue().splitlines()[-1].startswith("stage: 26/69 (38%) stopped after "), out.getvalue()
+    out = io.StringIO()
+    with LineProgress(3, "stage", out, interval=1e9) as bar:
+        bar.update(3)
+    assert out.getvalue().splitlines()[-1].startswith("stage: 3/3 (100%) done in ")
