@@ -68,7 +68,7 @@ python3 -c "import torch, transformers as t; print('torch_compat: torch', torch.
 
 # every part the campaign has, in its order (its default runs only the prefill ones)
 PARTS=$(grep -oE '^ *part [a-z_]+' scripts/gpu_campaign.sh | awk '{print $2}' | paste -sd, -)
-rm -rf "$OUT"
+rm -rf "$OUT" && mkdir -p "$(dirname "$OUT")"  # runs/ is not in a fresh clone
 bash scripts/gpu_campaign.sh --quick --out "$OUT" --paper "$PAPER" --parts "$PARTS" > "$OUT.log" 2>&1
 python3 - "$OUT" "$PARTS" <<'EOF'
 import json, sys
