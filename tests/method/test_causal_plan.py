@@ -167,3 +167,14 @@ def test_str_of_a_causal_runner_names_it():
         warnings.simplefilter("error")
         r = bind(make_model(), "4xF1-K1-causal")
     assert "4xF1-h0-K1-causal" in repr(r) and r.weights.windows is None and r.weights.window_values is None
+
+
+def test_the_decode_suite_never_calls_a_causal_row_exact():
+    """run_decode_suite's exact rule (K >= exact_iters, M = 1, no tol) and its note: a causal plan is approximate at
+    any K, and the note names why."""
+    from snlp.bench.decode_suite import approximate_note
+
+    assert "causal" in approximate_note("4xF1-h0-K4-causal")
+    assert approximate_note("4xF1-h0-K4") == "approximate by design"
+    note = approximate_note("4xF1-h0-K1-causal")
+    assert "K = 1 < 4" not in note and "causal" in note
