@@ -237,7 +237,7 @@ class Plan:
             what = "model's own" if self.fuse == 1 else "fused model's own"
             if self.causal:
                 what += " with full-attention suffix layers"
-            return (f"K reaches the converged count, so the output is the {what}: "
+            return (f"K reaches the {'converged' if self.causal else 'exact'} count, so the output is the {what}: "
                     + ("check its sequential forward" if self.fuse == 1 else "try fewer layers per chunk (smaller M)"))
         tries = [f"more iterations (K >= {self.converged_iters()} "
                  f"{'has converged' if self.causal else 'is exact'})"]
