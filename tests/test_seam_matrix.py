@@ -36,6 +36,10 @@ names the combination. A cell that is neither is a defect. The references are wr
                                    kernel; sequential, K >= C SNLP, speculative, Jacobi decoding: its argmax loop
   a converted transformers model   transformers itself: its logits, the argmax loop over its forward, its generate
   with sliding windows             (sliding_window >= 3); export: from_pretrained of the written directory
+  a causal plan (-causal: the       a copy of the model whose suffix windows are full (-1) in its config, run with the
+  suffix's windows dropped)        same plan without the option: bind / parallel_forward bit for bit, SNLP decoding
+                                   its argmax loop (K = 1 from h0, K >= C), evaluate its PPL; speculative, drafter=,
+                                   jacobi: the model's loop; refused in one line where the suffix has no window
   compiled (compile=True,          the eager cell's reference (COMPILED: plan forward, sequential, SNLP and
   torch.compile(runner))           speculative decoding on static mHC, nanochat-snlp's parts, mixed widths)
   tokens with NaN embeddings       greedy speculative decoding (either drafter): the argmax loop of the model, raising
@@ -70,7 +74,8 @@ names the combination. A cell that is neither is a defect. The references are wr
 
 Input forms: one prompt (list of ids), a (T,) tensor, a (1, T) tensor, a list of one, a ragged list, a (B, T) tensor,
 a (T,) numpy array, a (B, T) numpy array.
-Plan kinds: F1, F2 (M > 1), fwd init, tol (K < C), DiagN, HCN (mHC model), HCN with tol, preheat, K >= C.
+Plan kinds: F1, F2 (M > 1), fwd init, tol (K < C), DiagN, HCN (mHC model), HCN with tol, preheat, K >= C; causal
+(fixed cells: test_causal_plan_cells_equal_the_full_suffix_copy).
 Treatments: eager / compiled (tests below; inductor is slow on 2 cores), compiled steps with dynamo's guards cut
 (guards="cut", SNLP_COMPILE_GUARDS=cut) or evaluated on every call (guards="full", the default: test_guard_cut_cells_equal_the_argmax_loop), shared / unshared weights, fp64 / fp32 /
 bf16 / fp16, adaptive block, min_confidence, read_every (sequential / snlp steps queued per host read), a repetition
@@ -1501,3 +1506,74 @@ def test_regulariser_row_fraction_equals_a_fresh_call_on_its_rows(kind, seed, B,
         assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="--reg-rows .* leaves the regulariser no row"):
         check_rows(1e-12, B)
+
+
+# ----------------------------------------------------------------------------- causal plans (fixed cells)
+# Plan.causal: the paper code's full-causal suffix (every suffix branch's window dropped, the prefix keeps its own).
+# Reference: a copy of the model whose suffix layers' windows are full (-1) in its config, run with the same plan
+# without the option (the same parameters, so bit for bit in fp64), or its argmax loop; the decoders that verify
+# (speculative, drafter=, jacobi) the windowed model's own argmax loop. A model whose suffix has no window refuses it.
+CAUSAL_PLANS = ("6xF1-h0-K1-causal", "3xF2-h0-K1-causal", "6xF1-h0-K6-causal", "6xF1-fwd-K2-causal")
+
+
+def full_suffix_copy(m: GPT, n_suffix: int) -> GPT:
+    cfg = m.config
+    wins = [cfg.window(l) if l < L - n_suffix else -1 for l in range(L)]
+    ref = GPT(GPTConfig(**{**cfg.to_dict(), "layer_windows": wins})).to(m.wte.weight.dtype)
+    ref.load_state_dict(m.state_dict())
+    return ref.eval()
+
+
+@pytest.mark.parametrize("windows", list(WINDOWS))
+@pytest.mark.parametrize("plan", CAUSAL_PLANS)
+def test_causal_plan_cells_equal_the_full_suffix_copy(plan, windows):
+    """bind / Runner (shared where M = 1), snlp_generate (one prompt, ragged batch, (B, T) tensor), speculative (the
+    plan's forward and drafter=), Jacobi and evaluate with a causal plan, against the full-suffix copy; refused in one
+    line where no suffix layer has a window."""
+    m = model_for("F1", 5, {"value_embeds": True, "nanochat": False, "windows": windows})
+    p = Plan.parse(plan, L)
+    idx = torch.randint(0, m.config.vocab_size, (3, 13), generator=torch.Generator().manual_seed(5))
+    if all(m.config.window(l) < 0 for l in range(L - p.n_suffix, L)):
+        for call in (lambda: bind(m, plan), lambda: snlp_generate(m, [1, 2, 3], plan, 2),
+                     lambda: speculative_generate(m, [1, 2, 3], plan, max_new_tokens=2)):
+            with pytest.raises(ValueError, match="changes nothing") as err:
+                call()
+            assert "\n" not in str(err.value)
+        return
+    plain = p.with_(causal=False)
+    ref = full_suffix_copy(m, p.n_suffix)
+    with torch.no_grad():
+        want = bind(ref, plain)(idx)
+        assert torch.equal(bind(m, p)(idx), want)
+        assert torch.equal(parallel_forward(m, idx, p), want)
+        if p.fuse == 1:
+            assert torch.equal(bind(m, p, share_weights=True)(idx), want)
+    prompts, n = [idx[0, :6].tolist(), idx[1, :11].tolist(), idx[2, :3].tolist()], 6
+    # cached SNLP decoding = the per-step forward for K = 1 from h0 and from K = C on (the K < C fwd plan: each row
+    # equals the same prompt decoded alone)
+    cached_is_forward = p.init == "h0" and (p.iters == 1 or p.iters >= p.chunks)
+    for arg in (prompts[0], prompts, torch.tensor([prompts[0], prompts[0]])):
+        got = snlp_generate(m, arg, p, n)
+        rows = [got.tokens] if not isinstance(got, list) else [r.tokens for r in got]
+        used = [prompts[0]] if isinstance(arg, list) and not isinstance(arg[0], list) else \
+            prompts if isinstance(arg, list) else [prompts[0], prompts[0]]
+        for q, toks in zip(used, rows):
+            want_toks = argmax_loop(bind(ref, plain), q, n) if cached_is_forward else snlp_generate(m, q, p, n).tokens
+            assert toks == want_toks, (plan, windows, q)
+            if cached_is_forward:
+                assert toks == snlp_generate(ref, q, plain, n).tokens
+    seq = [argmax_loop(m, q, n) for q in prompts]
+    assert [r.tokens for r in speculative_generate(m, prompts, p, block=3, max_new_tokens=n)] == seq
+    assert [r.tokens for r in speculative_generate(m, prompts, p, block=2, max_new_tokens=n,
+                                                   drafter=make_drafter(m, p))] == seq
+    assert jacobi_generate(m, prompts[1], p, block=3, max_new_tokens=n).tokens == seq[1]
+    if p.iters >= p.chunks and windows == "SL":  # evaluate: the row's PPL is the copy's sequential PPL
+        val = torch.randint(0, m.config.vocab_size, (120,), generator=torch.Generator().manual_seed(6))
+        cfg = EvalConfig(seq_len=16, max_tokens=48, prompts=1, prompt_len=4, gen_tokens=3, warmup=0, runs=1,
+                         time_tokens=2, emb=False, progress=False, batch=2)
+        seq_rec, rec = evaluate(m, val, [plan], cfg)
+        wins = torch.stack([val[i * 16:(i + 1) * 16 + 1] for i in range(3)])
+        with torch.no_grad():
+            logp = torch.log_softmax(ref(wins[:, :-1]).double(), -1)
+        nll = -logp.gather(-1, wins[:, 1:, None]).mean()
+        assert rec.ppl == pytest.approx(math.exp(float(nll)), rel=1e-6) and rec.ppl != seq_rec.ppl

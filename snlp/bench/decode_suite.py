@@ -501,7 +501,8 @@ def _snlp_methods(model: GPT, groups: list, cfg: DecodeSuiteConfig, plans: list[
                     each(lambda arg, seq=seq: sequential_generate(model, arg, n, step=seq, **pen))))
         for plan in plans:
             draft = steps[(treatment, plan)]
-            exact = plan.iters >= plan.exact_iters() and plan.fuse == 1 and not plan.tol  # ordered plans need more
+            exact = (not plan.causal and plan.iters >= plan.exact_iters() and plan.fuse == 1  # ordered plans need more
+                     and not plan.tol)  # causal: another function at any K
             if "snlp" in cfg.methods:
                 out.append((dict(method="snlp snlp", treatment=treatment, plan=str(plan), exact=exact), draft,
                             each(lambda arg, p=plan, d=draft: snlp_generate(model, arg, p, n, step=d, **pen))))
@@ -857,11 +858,13 @@ def penalty_words(m: DecodeSuiteMeta) -> str:
 def approximate_note(plan: str | None) -> str:
     """Why an snlp row's plan is approximate, in its own terms (`_snlp_methods`' exact rule): K below the iterations
     the plan is exact from (C for the natural order, more for another chunk order), M > 1 fused layers (exactly the
-    fused model, not the original), or a tol stop that may end the solve before then."""
+    fused model, not the original), a causal suffix (the windows dropped, never exact), or a tol stop that may end the solve before then."""
     if plan is None:
         return "approximate by design"
     p = Plan.parse(plan)
-    why = ([f"K = {p.iters} < {p.exact_iters()}, the iterations it is exact from"] if p.iters < p.exact_iters() else [])
+    why = ([f"K = {p.iters} < {p.exact_iters()}, the iterations it is exact from"]
+           if not p.causal and p.iters < p.exact_iters() else [])
+    why += ["causal: its suffix attends fully, the sliding windows dropped"] if p.causal else []
     why += [f"M = {p.fuse} > 1: the fused model"] if p.fuse > 1 else []
     why += [f"tol {p.tol:g} may stop the solve early"] if p.tol else []
     return f"approximate by design ({'; '.join(why)})" if why else "approximate by design"

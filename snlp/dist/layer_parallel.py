@@ -69,7 +69,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from snlp.model.cache import KVCache, check_cache_fits
-from snlp.method.fusion import ChunkWeights, build_chunk_weights, chunk_forward
+from snlp.method.fusion import ChunkWeights, build_chunk_weights, chunk_forward, full_causal
 from snlp.model.gpt import GPT, check_keep
 from snlp.method.surrogates import SURROGATES, Iterate
 from snlp.method.plan import Plan
@@ -334,6 +334,8 @@ class DistributedSNLP:
             self._agree(lambda: self.preheat.check_tensors(checkpoint.digests))
         with torch.no_grad():  # this rank's block only (== select_chunks of the full stack)
             self.w: ChunkWeights = build_chunk_weights(model, self.S + self.c0 * M, self.c1 - self.c0, M)
+            if plan.causal:  # the paper's approximation: this rank's branches attend fully (Plan.causal)
+                self.w = full_causal(self.w)
         # KV window and layer range this rank computes: rank 0 also owns the prefix layers
         self.first = 0 if self.rank == 0 else self.S + self.c0 * M
         self.stop = self.S + self.c1 * M
@@ -548,7 +550,7 @@ class DistributedSNLP:
                               device=self.device)
             if not int(_broadcast(ok, self.last, "broadcast of the finiteness check")[0]):
                 raise SNLPDivergenceError(f"distributed SNLP plan {self.plan} diverged: the final hidden state "
-                                          f"contains NaN/inf (try more iterations, K >= {self.plan.exact_iters()} is exact)")
+                                          f"contains NaN/inf; {self.plan.divergence_hints()}")
         return res
 
     @torch.no_grad()

@@ -227,8 +227,10 @@ def teacher_forced(model: GPT, wins: Tensor, plans: list[Plan], cfg: EvalConfig,
 # ----- generation: AR Match, EmbSim -----
 def reference_plan(plan: Plan) -> Plan | None:
     """The AR-match reference of a plan: None (the sequential model) for M = 1, else the same fused
-    model run sequentially, i.e. the plan with K = C iterations (exact for the fused model)."""
-    return None if plan.fuse == 1 else Plan(chunks=plan.chunks, fuse=plan.fuse, init="h0", iters=plan.chunks)
+    model run sequentially, i.e. the plan with K = C iterations (exact for the fused model); a `causal` plan's is
+    its own fused model with full-attention suffix layers (the causal plan at K = C), the function it converges to."""
+    return None if plan.fuse == 1 else Plan(chunks=plan.chunks, fuse=plan.fuse, init="h0", iters=plan.chunks,
+                                            causal=plan.causal)
 
 
 def generation_rows(plans: list[Plan]) -> dict[str, Plan | None]:

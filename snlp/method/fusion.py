@@ -30,7 +30,7 @@ O_l and P_l. For M = 1 this is the layer itself; with x0 off it is the paper's f
 Value embeddings inside a chunk: each layer that has them keeps its own table and gate; its gate
 reads the shared norm(x_C). Layers without them get a zero embedding (so their gate is inert),
 which keeps the whole chunk one batched op. Sliding windows: every branch keeps its own window
-(the reference code drops windows; we do not): through a per-branch attention mask, branches grouped by
+(the reference code drops windows; we do so only for a plan that names it, `-causal`, `full_causal`): through a per-branch attention mask, branches grouped by
 window (banded kernel), or one FlexAttention call with a per-branch window mask inside compiled graphs
 (snlp.model.ops.set_window_kernel).
 
@@ -321,14 +321,22 @@ def _hc_weights(blocks, C: int, M: int, n: int, maps: dict) -> HCWeights:
     return HCWeights(n=n, bias=bias, phi=phi, gate=gate, fixed=None, maps=maps)
 
 
-def chunk_weights(model: GPT, start: int, chunks: int, fuse: int) -> ChunkWeights:
-    """Fused weights for (model, suffix layout), built from the model's current parameters.
+def full_causal(w: ChunkWeights) -> ChunkWeights:
+    """The weights `w` with every branch attending fully causally (windows dropped): the paper code's approximation,
+    a `causal` plan's suffix (snlp.method.plan). Only the window fields change, so the forward stays one batched op."""
+    return w if w.windows is None else replace(w, **window_fields(None, None, False))
+
+
+def chunk_weights(model: GPT, start: int, chunks: int, fuse: int, causal: bool = False) -> ChunkWeights:
+    """Fused weights for (model, suffix layout), built from the model's current parameters; `causal` drops the
+    branches' sliding windows (`full_causal`, a `causal` plan's suffix).
 
     Nothing is cached here: a cache keyed on parameter versions misses in-place edits through
     `.data`, which silently returned stale logits. Code that runs a plan repeatedly holds its weights
     explicitly (`snlp.bind(model, plan)`, refreshed on demand). Under autograd (training through the
     solve, grad mode on) the weights are built with the graph so gradients reach the parameters."""
-    return build_chunk_weights(model, start, chunks, fuse)
+    w = build_chunk_weights(model, start, chunks, fuse)
+    return full_causal(w) if causal else w
 
 
 def _padded_ve(ctx: Context) -> Tensor:

@@ -1,4 +1,4 @@
-"""SNLP execution plans: `CxFM-init-KK[-surrogate][-probes:P][-eps:e][-subset:i.j][-tol:t][-elk:a][-order:...]`.
+"""SNLP execution plans: `CxFM-init-KK[-surrogate][-probes:P][-eps:e][-subset:i.j][-tol:t][-elk:a][-order:...][-causal]`.
 
 `12xF2-h0-K1` = the last N = C*M = 24 layers split into C = 12 chunks of M = 2 layers, each
 chunk fused into one wide layer, all chunks evaluated in one batched op per iteration,
@@ -12,6 +12,11 @@ product (mHC models); `diag[:fd|jvp|vjp]` A = diag(J) from `probes` Hutchinson p
 Jacobian (JVP, DEER over depth; a reference solver); `none` A = 0 (Jacobi). `tol:t` makes K a
 maximum: each sequence of the batch stops (is frozen) once the relative update of its final state
 drops below t, and the solve ends when all have (snlp.method.solver), so a row never depends on its batch.
+
+`causal` is the paper's approximation (its reference code runs the batched suffix with is_causal=True): every
+suffix branch attends over all earlier positions, its layer's sliding window dropped; the prefix keeps its
+windows. It changes the function: at K >= C the solve equals the model with full-attention suffix layers, not
+the model, so `exact_iters` is None for it (no K is exact) and `converged_iters` says when it stops moving.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from snlp.method.surrogates import (EPS_UNREAD, ESTIMATORS, SURROGATES, DiagN, I
 INITS = ("h0", "fwd", "preheat")  # preheat: snlp.method.preheat (a calibration passed as preheat=)
 GRAMMAR = ("CxFM[-h0|-fwd|-preheat][-K<iters>][-idn|-none|-hcn|-newton|-diag[:fd|:jvp|:vjp]][-probes:<P>][-eps:<e>]"
            "[-subset:<chunk indices joined by '.'>][-tol:<t>][-elk:<a in [0,1)>]"
-           "[-order:forward|reversed|<permutation of 0..C-1 joined by '.'>]"
+           "[-order:forward|reversed|<permutation of 0..C-1 joined by '.'>][-causal]"
            ", e.g. 12xF2-h0-K1, 8xF1-fwd-K2-none, 16xF1-h0-K1-hcn or 8xF1-h0-K2-diag:vjp-probes:2")
 _HEAD = re.compile(r"^([0-9]+)xF([0-9]+)$")
 # the numeric parts read as floats, and what each must be (a bad value is named with its part)
@@ -44,7 +49,9 @@ class Plan:
     `tol` > 0), the `surrogate` (a typed value from snlp.method.surrogates: Identity, Jacobi, HCN,
     DiagN(estimator, probes, eps, subset), Newton; a grammar token such as "none" or "diag:vjp" is
     accepted and converted), ELK damping `elk` (the correction is scaled by 1 - elk) and the
-    correction `order` (a permutation of chunk indices; None = forward, the paper's default)."""
+    correction `order` (a permutation of chunk indices; None = forward, the paper's default). `causal`: the
+    suffix branches attend fully causally, their layers' sliding windows dropped (the paper code's approximation;
+    a different function, never exact: see the module docstring)."""
 
     chunks: int
     fuse: int = 1
@@ -54,9 +61,12 @@ class Plan:
     elk: float = 0.0
     order: tuple[int, ...] | None = None
     tol: float = 0.0
+    causal: bool = False
 
     def __post_init__(self):
         problems = []
+        if not isinstance(self.causal, bool):
+            problems.append(f"causal must be True or False (got {self.causal!r})")
         if not isinstance(self.chunks, int) or self.chunks < 1:
             problems.append(f"chunks C must be an integer >= 1 (got {self.chunks!r})")
         if not isinstance(self.fuse, int) or self.fuse < 1:
@@ -128,11 +138,16 @@ class Plan:
         return self
 
     def check_model(self, config) -> "Plan":
-        """Raise a ValueError unless the plan fits a model with this GPTConfig (depth; HCN needs mHC)."""
+        """Raise a ValueError unless the plan fits a model with this GPTConfig (depth; HCN needs mHC; `causal` needs
+        a sliding window in the suffix: without one it would drop nothing, and asking for it misreads the model)."""
         self.check(config.n_layer)
         if self.surrogate.needs_mhc and config.hc_streams < 1:
             raise ValueError(f"plan {self}: the {self.surrogate.token} surrogate needs an mHC model "
                              f"(GPTConfig.hc_streams >= 1); this model has a plain residual stream, use idn")
+        if self.causal and all(config.window(l) < 0 for l in range(config.n_layer - self.n_suffix, config.n_layer)):
+            raise ValueError(f"plan {self}: causal drops the suffix layers' sliding windows, and this model's suffix "
+                             f"layers {config.n_layer - self.n_suffix}..{config.n_layer - 1} have none (they attend "
+                             f"fully already): it changes nothing, drop -causal")
         return self
 
     @property
@@ -196,25 +211,36 @@ class Plan:
             t.append(t[-1] + (2 if lagged else 1))
         return t
 
-    def exact_iters(self) -> int:
-        """The smallest K from which the solve is exact for every input: max_c t_c (`exact_after`; C for the
-        forward order from h0, C - 1 from fwd, whose init is one chunk evaluation already). The forward order's is
-        that closed form, not a list of C entries: a plan list is capped (`cli_plan`) before any model bounds C, and
-        a mistyped 10000000000xF1 must reach its does-not-fit error, not build ten billion entries."""
+    def converged_iters(self) -> int:
+        """The smallest K from which the solve's output no longer changes for any input: max_c t_c (`exact_after`; C
+        for the forward order from h0, C - 1 from fwd, whose init is one chunk evaluation already). The forward
+        order's is that closed form, not a list of C entries: a plan list is capped (`cli_plan`) before any model
+        bounds C, and a mistyped 10000000000xF1 must reach its does-not-fit error, not build ten billion entries.
+        From here on the output is the (fused) suffix run sequentially: the model's own function unless `causal`."""
         if self.order is None:  # no lagged chunk: t_c = t_0 + c
             return self.chunks - (1 if self.init == "fwd" else 0)
         return self.exact_after()[-1]
+
+    def exact_iters(self) -> int | None:
+        """The smallest K from which the solve is exact (equals the model, or its fused model, run sequentially) for
+        every input: `converged_iters`; None for a `causal` plan, which converges to the model with full-attention
+        suffix layers instead: no K makes it exact."""
+        return None if self.causal else self.converged_iters()
 
     def divergence_hints(self) -> str:
         """What to try when this plan's solve turns NaN/inf, only the changes this plan can take: more iterations below
         the exact count, fewer/larger chunks, ELK damping where the surrogate corrects (Jacobi makes no correction: elk
         is refused there), the h0 init where it is not already the init. From the exact count on the output is the
-        fused model's own, which no solver setting changes."""
-        if self.iters >= self.exact_iters():
-            return ("K reaches the exact count, so the output is the model's own: check its sequential forward"
-                    if self.fuse == 1 else "K reaches the exact count, so the output is the fused model's own: "
-                    "try fewer layers per chunk (smaller M)")
-        tries = [f"more iterations (K >= {self.exact_iters()} is exact)"]
+        fused model's own, which no solver setting changes (with `causal`: of the model with full-attention suffix
+        layers)."""
+        if self.iters >= self.converged_iters():
+            what = "model's own" if self.fuse == 1 else "fused model's own"
+            if self.causal:
+                what += " with full-attention suffix layers"
+            return (f"K reaches the {'converged' if self.causal else 'exact'} count, so the output is the {what}: "
+                    + ("check its sequential forward" if self.fuse == 1 else "try fewer layers per chunk (smaller M)"))
+        tries = [f"more iterations (K >= {self.converged_iters()} "
+                 f"{'has converged' if self.causal else 'is exact'})"]
         if self.chunks > 1:
             tries.append("fewer/larger chunks")
         if self.surrogate != Jacobi():
@@ -235,6 +261,8 @@ class Plan:
         if self.order is not None:
             rev = tuple(range(self.chunks - 1, -1, -1))
             s += "-order:" + ("reversed" if self.order == rev else ".".join(map(str, self.order)))
+        if self.causal:
+            s += "-causal"
         return s
 
     @classmethod
@@ -307,10 +335,10 @@ class Plan:
         return replace(self, **kw)
 
     def capped(self) -> "Plan":
-        """This plan with K lowered to `exact_iters` where it is larger. From exact_iters on every chunk
-        equals the (fused) model run sequentially, so each further iteration recomputes the same states:
-        a larger K changes no output and only costs time (K = 10**9 never returns)."""
-        return self if self.iters <= self.exact_iters() else self.with_(iters=self.exact_iters())
+        """This plan with K lowered to `converged_iters` where it is larger. From there on every chunk equals the
+        (fused) suffix run sequentially, so each further iteration recomputes the same states: a larger K changes no
+        output and only costs time (K = 10**9 never returns)."""
+        return self if self.iters <= self.converged_iters() else self.with_(iters=self.converged_iters())
 
 
 def _check_ascii(text: str) -> None:
@@ -341,6 +369,8 @@ def _split(text: str) -> list[str]:
 def _token(tok: str, text: str):
     if tok in INITS:
         return "init", tok
+    if tok == "causal":
+        return "causal", True
     sur = parse_surrogate(tok)
     if sur is not None:
         return "surrogate", sur
@@ -406,8 +436,11 @@ def cli_plan(text: str, n_layer: int | None = None) -> Plan:
     plan = Plan.parse(text, n_layer)
     capped = plan.capped()
     if capped != plan:
-        warnings.warn(f"plan {text}: K = {plan.iters} is beyond K = {capped.iters}, from which the plan is exact (its "
-                      f"output equals the {'fused ' if plan.fuse > 1 else ''}model run sequentially); running {capped}",
+        fused = 'fused ' if plan.fuse > 1 else ''
+        what = (f"converged (its output equals the {fused}model with full-attention suffix layers run sequentially)"
+                if plan.causal else f"exact (its output equals the {fused}model run sequentially)")
+        warnings.warn(f"plan {text}: K = {plan.iters} is beyond K = {capped.iters}, from which the plan is {what}; "
+                      f"running {capped}",
                       UserWarning, stacklevel=2)
     return capped
 

@@ -49,7 +49,7 @@ import torch
 from torch.nn.utils import parametrize
 from torch import Tensor
 
-from snlp.method.fusion import ChunkWeights, branch_windows, qk_scale_rows, value_embed_weights
+from snlp.method.fusion import ChunkWeights, branch_windows, qk_scale_rows, value_embed_weights, window_fields
 from snlp.model.gpt import GPT
 
 Row = tuple[torch.nn.Parameter | None, ...]  # one layer's parameters in home order; None: zero rows (no tensor)
@@ -149,10 +149,11 @@ def check_shareable(model: GPT, fuse: int) -> None:
                          "bind without share_weights")
 
 
-def share_chunk_weights(model: GPT, start: int, chunks: int) -> ChunkWeights:
+def share_chunk_weights(model: GPT, start: int, chunks: int, causal: bool = False) -> ChunkWeights:
     """ChunkWeights of layers start .. start + chunks - 1 (M = 1) whose every tensor is a view of the model's own
     parameter storage (module docstring). Homes the parameters the first time (or after some were given new
-    storage); later calls, for any suffix, build only views, no copy."""
+    storage); later calls, for any suffix, build only views, no copy. `causal`: every branch attends fully, the
+    layers' sliding windows dropped (a `causal` plan's suffix, snlp.method.fusion.full_causal)."""
     check_shareable(model, 1)
     cfg, C = model.config, chunks
     h = {k: v[start:start + C] for k, v in homes(model).items()}  # (C, R, ...) views
@@ -170,7 +171,8 @@ def share_chunk_weights(model: GPT, start: int, chunks: int) -> ChunkWeights:
         proj=h["proj"].transpose(1, 2),  # (C, F, D) view of (C, D, F)
         alpha=alpha, beta=beta,
         ve_gate=None if ve_slot is None else h["ve_gate"].transpose(1, 2),  # (C, G, Hkv) view of (C, Hkv, G)
-        ve_slot=ve_slot, **branch_windows(model, start, C, 1, h["qkv"].device),
+        ve_slot=ve_slot, **(window_fields(None, None, False) if causal else
+                             branch_windows(model, start, C, 1, h["qkv"].device)),
         qkv_bias=row("qkv_bias"), qk_norm=cfg.qk_norm, eps=cfg.norm_eps,
         q_norm=row("q_norm") if cfg.qk_norm == "weighted" else qk_scale_rows(cfg, C, 1, h["qkv"]),
         k_norm=row("k_norm") if cfg.qk_norm == "weighted" else qk_scale_rows(cfg, C, 1, h["qkv"]),

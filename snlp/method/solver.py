@@ -24,6 +24,8 @@ lagged chunk, so its recurrence (and result, bit for bit) is the plain one:
   - newton: the exact J_c d_{c-1} by JVPs, one chunk after another (reference solver, not fast).
 Each surrogate is a typed value in snlp.method.surrogates that owns its grammar token, cost and correction;
 the lagged term is folded into b before the scan, so every surrogate keeps its one vectorised solve.
+A `causal` plan (Plan.causal) runs every suffix branch fully causal (fusion.full_causal): the same solve of another
+function, the model with full-attention suffix layers, which K >= C reaches instead of the model.
 Exactness (`Plan.exact_after`): after k iterations chunk c is exact once k >= t_c, t_0 = 1 (0 with the fwd init,
 whose F_0(h_S) is exact), t_c = t_{c-1} + 1 (linked) or + 2 (lagged, t_{c-1} > 0); K >= C is exact for forward
 order (C - 1 from fwd), K >= C + #lagged for any. `init_states` replaces the plan's init: t_0 = 1 then.
@@ -45,7 +47,7 @@ from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from snlp.method.surrogates import DiagN, Iterate
-from snlp.method.fusion import ChunkWeights, chunk_forward, chunk_weights
+from snlp.method.fusion import ChunkWeights, chunk_forward, chunk_weights, full_causal
 from snlp.runtime.checks import check_bools
 from snlp.model.gpt import GPT, check_gpt, check_keep
 from snlp.method.plan import Plan
@@ -204,6 +206,8 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
         ctx.hb = hb
     hS = prefix if prefix is not None else model.run_layers(ctx.x0, ctx, 0, S)  # exact sequential prefix
     w = weights if weights is not None else chunk_weights(model, S, C, plan.fuse)
+    if plan.causal:  # the suffix attends fully (given weights too: the plan, not the caller, sets the function)
+        w = full_causal(w)
     h = initial_states(plan, S, hS, ctx, w, cache, init_states, preheat)  # (C, B, T, D)
     states = [h] if keep_states else []
     sur = plan.surrogate
@@ -317,9 +321,9 @@ class Runner:
         # under grad mode (the prefix's parameters require grad) could not save inference tensors for backward
         with torch.inference_mode(False), torch.no_grad():
             if self.share_weights:  # views of the model's own (re-homed) parameters: snlp.method.sharing
-                self.weights = share_chunk_weights(self.model, S, self.plan.chunks)
+                self.weights = share_chunk_weights(self.model, S, self.plan.chunks, self.plan.causal)
             else:
-                self.weights = chunk_weights(self.model, S, self.plan.chunks, self.plan.fuse)
+                self.weights = chunk_weights(self.model, S, self.plan.chunks, self.plan.fuse, self.plan.causal)
         self._params = list(self.model.parameters())
         self._tracked = [p for p in self._params if not p.is_inference()]  # inference tensors have no counter
         # the storages the weights came from, held: freed, their addresses could come back under new tensors
@@ -385,7 +389,7 @@ def fused_sequential(model: GPT, idx: Tensor, plan: Plan | str) -> SolveResult:
     S = plan.prefix_len(model.config.n_layer)
     ctx = model.embed(idx)
     hS = model.run_layers(ctx.x0, ctx, 0, S)
-    w = chunk_weights(model, S, plan.chunks, plan.fuse)
+    w = chunk_weights(model, S, plan.chunks, plan.fuse, plan.causal)
     h, outs = hS, []
     for c in range(plan.chunks):  # inherently sequential: this is the reference, not the solver
         h = chunk_forward(w.chunk(c), h[None], ctx)[0]
@@ -412,7 +416,7 @@ def permuted_sequential(model: GPT, idx: Tensor, plan: Plan | str, order: tuple[
                          "at a fixed depth: Seq-Perm is not defined for nanochat's backout")
     ctx = model.embed(idx)
     hS = prefix if prefix is not None else model.run_layers(ctx.x0, ctx, 0, S)
-    w = chunk_weights(model, S, plan.chunks, plan.fuse)
+    w = chunk_weights(model, S, plan.chunks, plan.fuse, plan.causal)
     h, outs = hS, []
     for c in (order or range(plan.chunks)):  # inherently sequential: one chunk after another
         h = chunk_forward(w.chunk(c), h[None], ctx)[0]

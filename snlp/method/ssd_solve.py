@@ -12,7 +12,8 @@ what the cached drafter step computes there:
 with k^exact, v^exact the base model's own K/V of each suffix layer from its exact sequential input
 (`exact_kv`). tests/train/test_adapt.py checks it position by position against the real cached decode step.
 Training a drafter through it (snlp.train.adapt, kv="exact") trains exactly what speculative decoding runs.
-Supported: h0 / fwd init, idn (forward order) or none surrogates, plain residual-stream models.
+Supported: h0 / fwd init, idn (forward order) or none surrogates, plain residual-stream models; a `causal` plan's
+branches attend over every earlier exact K/V (no window), as its cached decode step does.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def ssd_solve(model: GPT, idx: Tensor, plan: Plan, prefix: Tensor, kv: tuple[Ten
                          "training under SSD conditions does not carry nanochat's backout")
     S, C = plan.prefix_len(model.config.n_layer), plan.chunks
     ctx = model.embed(idx)
-    w = chunk_weights(model, S, C, plan.fuse)
+    w = chunk_weights(model, S, C, plan.fuse, plan.causal)  # causal: the drafter's branches attend fully
     h = prefix.expand(C, *prefix.shape)  # (C, B, T, D): the h0 init
     if plan.init == "fwd":
         h = ssd_chunk_forward(w, h, ctx, kv)

@@ -669,3 +669,19 @@ def test_tokens_per_s_counts_the_tokens_a_call_generated_not_the_budget(monkeypa
     assert short.matches_sequential is False and full.matches_sequential
     assert short.tokens_per_s == pytest.approx(statistics.median(2 * (8 - 3) / s for s in short.seconds))
     assert full.tokens_per_s == pytest.approx(statistics.median(2 * 8 / s for s in full.seconds))
+
+
+def test_a_causal_plan_is_never_called_exact_and_its_speculative_rows_are():
+    """A causal plan (the suffix's windows dropped) computes another function at any K: at K = C its snlp row is not
+    called exact (exact_iters is None for it; the rule compared K with it), while its speculative row, verified by the
+    model, is exact and matches sequential."""
+    from conftest import make_model
+
+    m = make_model(seed=1, n_layer=4)
+    res = run_decode_suite(DecodeSuiteConfig(quick=True, device="cpu", dtype="float64", batch_sizes=(1,), prompt_len=5,
+                                             new_tokens=4, plans=("3xF1-h0-K3-causal",), blocks=(2,), rounds=1,
+                                             warmup=0, transformers=False), model=m)
+    snlp = next(r for r in res.rows if r.method == "snlp snlp")
+    spec = next(r for r in res.rows if r.method == "snlp speculative")
+    assert snlp.plan == "3xF1-h0-K3-causal" and not snlp.exact
+    assert spec.exact and spec.matches_sequential

@@ -177,7 +177,12 @@ def test_quick_vs_paper_agrees_where_the_functions_agree_and_names_the_approxima
     free = [a for a in res.agreement if a.windows == "L"]
     windowed = [a for a in res.agreement if a.windows == "SSSL"]
     assert free and all(a.same_function and a.paper_vs_snlp <= AGREE_TOL * a.logit_scale and a.why == "-" for a in free)
-    assert windowed and all(not a.same_function and "drops the sliding windows" in a.why for a in windowed)
+    assert windowed and all(not a.same_function and "drops the sliding windows" in a.why for a in windowed
+                            if not a.plan.endswith("-causal"))
+    causal = [a for a in windowed if a.plan.endswith("-causal")]  # the paper's full-causal suffix, named
+    assert causal and all(a.same_function == (a.why == "-") for a in causal), [(a.plan, a.why) for a in causal]
+    assert any(a.same_function for a in causal)
+    assert {r.variant for r in res.rows if r.side == "snlp" and r.variant.startswith("causal")} == {"causal (eager)"}
     data = json.loads((tmp_path / "vs_paper.json").read_text())
     assert len(data["agreement"]) == len(res.agreement) and "Correctness" in (tmp_path / "vs_paper.md").read_text()
     # one timed round resolves no ratio: every one the table prints is a tie, with its round in the JSON
@@ -240,6 +245,34 @@ def test_every_disagreement_names_its_cause():
     rows = V.agreement(code, shape, shape, [Plan.parse(p, 6) for p in shape.plans], cfg, 256, torch.device("cpu"))
     assert all(a.same_function == (a.why == "-") for a in rows), [(a.plan, a.windows, a.why) for a in rows]
     assert any("backout" in a.why for a in rows) and any("own output" in a.why for a in rows)
+
+
+@needs_paper
+def test_snlps_causal_plan_is_the_papers_windowed_path_where_it_computes_that_function():
+    """On a windowed (SSSL), value-embedding-free model the paper's parallel paths run the suffix full causal: snlp's
+    plain plan differs there (it keeps the windows), its `causal` plan gives the paper's logits within fp32 round-off
+    wherever the report names no other approximation."""
+    from dataclasses import replace
+
+    import torch
+
+    from snlp.bench import vs_paper as V
+    from snlp.bench.suite import PAPER_SHAPES
+    from snlp.method.plan import Plan
+
+    cfg = V.VsPaperConfig(paper=PAPER, quick=True).resolved()
+    code = load_paper_code(PAPER, torch.float32)
+    base = next(s for s in PAPER_SHAPES if s.key == "0.5B-nox0ve")
+    plans = ("6xF1-h0-K1", "6xF1-h0-K2", "3xF2-h0-K1", "2xF2-h0-K2", "4xF1-h0-K4")
+    shape = replace(base, depth=8, width=64, head_dim=32, plans=plans)
+    rows = V.agreement(code, shape, shape, [Plan.parse(p, 8) for p in plans], cfg, 256, torch.device("cpu"))
+    sssl = {a.plan: a for a in rows if a.windows == "SSSL"}
+    for p in plans:
+        plain, causal = sssl[p], sssl[p + "-causal"]
+        assert not plain.same_function and "drops the sliding windows" in plain.why, (p, plain)
+        assert causal.why == "-" and causal.same_function, (p, causal)
+        assert causal.paper_vs_snlp <= V.AGREE_TOL * causal.logit_scale
+    assert all(not a.plan.endswith("-causal") for a in rows if a.windows == "L")  # nothing to drop there
 
 
 @needs_paper

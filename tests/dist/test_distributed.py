@@ -37,9 +37,10 @@ SOLVE_CASES = (
        ("plain", "4xF1-h0-K2-diag:fd-probes:2"), ("plain", "5xF1-fwd-K1-diag:vjp-subset:1.3"),
        ("plain", "4xF1-h0-K1-diag:jvp"),
        ("mhc", "4xF1-h0-K2-hcn"), ("mhc", "3xF2-fwd-K1-hcn"), ("mhc", "5xF1-h0-K5-hcn"), ("mhc", "4xF1-h0-K1-diag:fd"),
-       ("fp32", "4xF1-h0-K2"), ("fp32", "4xF1-fwd-K1-hcn-mhc")])
+       ("fp32", "4xF1-h0-K2"), ("fp32", "4xF1-fwd-K1-hcn-mhc"),
+       ("plain", "4xF1-h0-K2-causal"), ("plain", "3xF2-fwd-K1-causal"), ("mhc", "4xF1-h0-K2-hcn-causal")])
 DECODE_CASES = [("plain", "4xF1-h0-K1"), ("plain", "5xF1-h0-K5"), ("plain", "4xF1-h0-K1-diag:fd"),
-                ("mhc", "4xF1-h0-K2-hcn")]
+                ("mhc", "4xF1-h0-K2-hcn"), ("plain", "4xF1-h0-K1-causal")]
 PROMPTS = [[1, 5, 9], [7], [3, 3, 14, 2, 8]]
 
 

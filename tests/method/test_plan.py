@@ -24,7 +24,7 @@ def plans(draw):
     return Plan(chunks=chunks, fuse=draw(st.integers(1, 4)), init=draw(st.sampled_from(["h0", "fwd"])),
                 iters=draw(st.integers(0, 9)), surrogate=surrogate,
                 elk=draw(st.sampled_from([0.0, 0.1, 0.5, 0.95])) if corrects else 0.0, order=order if corrects else None,
-                tol=draw(st.sampled_from([0.0, 1e-5, 0.01])))
+                tol=draw(st.sampled_from([0.0, 1e-5, 0.01])), causal=draw(st.booleans()))
 
 
 @settings(max_examples=200)

@@ -51,7 +51,7 @@ def plans(draw):
     if kind == "none":  # Jacobi has no correction to damp or order
         order, elk = None, 0.0
     return Plan(chunks=chunks, fuse=fuse, init=draw(st.sampled_from(INITS)), iters=draw(st.integers(0, 40)),
-                surrogate=sur, elk=elk, order=order, tol=tol)
+                surrogate=sur, elk=elk, order=order, tol=tol, causal=draw(st.booleans()))
 
 
 @settings(max_examples=examples(300), deadline=None)

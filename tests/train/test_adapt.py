@@ -152,7 +152,8 @@ def test_fp16_base_accepts_its_own_drafter_and_calibration(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- SSD conditions
-@pytest.mark.parametrize("plan", ["2xF1-h0-K1", "3xF1-fwd-K2", "1xF2-h0-K1-none", "2xF2-h0-K1"])
+@pytest.mark.parametrize("plan", ["2xF1-h0-K1", "3xF1-fwd-K2", "1xF2-h0-K1-none", "2xF2-h0-K1", "3xF1-h0-K2-causal",
+                                  "2xF2-fwd-K1-causal"])
 def test_ssd_solve_own_kv_is_the_solve(plan):
     model = make_model(seed=1, n_layer=6)
     x = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
@@ -162,7 +163,8 @@ def test_ssd_solve_own_kv_is_the_solve(plan):
     torch.testing.assert_close(got, ref.hidden, atol=1e-10, rtol=1e-10)
 
 
-@pytest.mark.parametrize("plan", ["2xF1-h0-K1", "2xF2-fwd-K2", "3xF1-h0-K2-none"])
+@pytest.mark.parametrize("plan", ["2xF1-h0-K1", "2xF2-fwd-K2", "3xF1-h0-K2-none", "3xF1-h0-K2-causal",
+                                  "2xF2-fwd-K2-causal"])
 def test_ssd_solve_is_the_cached_draft_step(plan):
     """Position t of the window solve under SSD conditions = the real drafter decode step at t on a KV cache
     that holds the base's exact K/V of positions < t (what the verifier leaves in self-speculative decoding)."""
