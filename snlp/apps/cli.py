@@ -341,7 +341,8 @@ def output_locks(parser: argparse.ArgumentParser, args):
 
 
 def measurement_signals(args):
-    """For the commands that keep partial files (LOCK_OUTPUTS: bench, eval, tune, selfcheck), SIGTERM, SIGHUP and
+    """For the commands that keep partial files (LOCK_OUTPUTS: bench, eval, tune, selfcheck) or what they had made
+    before the signal (RAISE_STOPS: generate keeps a finished generation cut in its timing), SIGTERM, SIGHUP and
     SIGUSR1/2 (a Slurm time limit or `--signal`, docker stop, a closed terminal) raise Interrupted as Ctrl-C raises
     KeyboardInterrupt, so they end the same way: the output locks released, one line naming the signal and what the
     files kept, exit 128 + signum; where the module's `finished(args)` says every file was written complete before
@@ -351,7 +352,7 @@ def measurement_signals(args):
     (snlp.train.hooks.InterruptStop)."""
     from contextlib import nullcontext
 
-    if not getattr(args.module, "LOCK_OUTPUTS", False):
+    if not (getattr(args.module, "LOCK_OUTPUTS", False) or getattr(args.module, "RAISE_STOPS", False)):
         return nullcontext()
     from snlp.train.hooks import raising_stops
 

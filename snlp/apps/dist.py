@@ -165,7 +165,7 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
     if tok is None:
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer; save it with one to use `snlp generate`")
     plan = cli_plan(args.plan, ckpt.config.n_layer)
-    from snlp.apps.generation_defaults import penalty_and_source, sampling_record
+    from snlp.apps.generation_defaults import penalty_and_source
 
     given = getattr(args, "repetition_penalty", None) is not None
     # as snlp.apps.generate.run: the flag, else the generation config's, else 1; the record names which
@@ -206,36 +206,36 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
         base = runner.generate(prompt, "sequential", **kw)
     res = runner.generate(prompt, args.mode, block=args.block,
                           on_tokens=stream, **kw)
+    # gathered before the timing (a collective every rank reaches): a cut timing leaves no collective to finish
+    mem = gather_objects(runner.memory(max_len=len(prompt) + args.max_new_tokens))  # the decodes' KV window too
+    if rank == 0 and stream is not None:
+        stream.flush_head()
+        print()
     rounds = []  # as snlp.apps.generate.run: the runs above warm both sides up, then --repeats timed rounds of each
     window = None
     if base is not None:
         from snlp.runtime.timing import round_order
 
-        window, own = rank_load(device, cores, rank, remedy=False)  # generate has no --threads
+        try:
+            window, own = rank_load(device, cores, rank, remedy=False)  # generate has no --threads
+            for r in range(args.repeats):  # the pair's order rotated round by round (the same on every rank)
+                got = {mode: runner.generate(prompt, mode, **(dict(kw, block=args.block) if mode != "sequential"
+                                                                else kw))
+                       for mode in round_order(["sequential", args.mode], r)}
+                rounds.append((got["sequential"], got[args.mode]))
+        except KeyboardInterrupt:  # Ctrl-C (or a signal raised as one) in the timing, after the generation: rank 0
+            if rank == 0:  # keeps it as snlp generate does (printed, --json with "timing": "interrupted")
+                from snlp.apps.generate import keep_on_interrupt
 
-        for r in range(args.repeats):  # the pair's order rotated round by round (the same on every rank)
-            got = {mode: runner.generate(prompt, mode, **(dict(kw, block=args.block) if mode != "sequential" else kw))
-                   for mode in round_order(["sequential", args.mode], r)}
-            rounds.append((got["sequential"], got[args.mode]))
-        if window is not None:
-            window.close()
-    mem = gather_objects(runner.memory(max_len=len(prompt) + args.max_new_tokens))  # the decodes' KV window too
+                record, stats = generation_record(args, res, tok, plan, world, mem, penalty, penalty_source, base)
+                with keep_on_interrupt(args, stats, record):
+                    raise
+            raise
+        finally:
+            if window is not None:
+                window.close()
     if rank == 0:
-        if stream is not None:
-            stream.flush_head()
-            print()
-        record = {"tokens": res.tokens, "text": tok.decode(res.tokens, mark_missing=True),
-                  "sampling": dict(sampling_record(args), repetition_penalty=penalty), "world_size": world,
-                  "chunks_per_rank": [list(b) for b in partition(plan.chunks, world)], "memory_per_rank": mem,
-                  **{k: v for k, v in res.to_dict().items() if k != "tokens"},
-                  "repetition_penalty": penalty, "repetition_penalty_source": penalty_source}
-        stats = (f"[distributed {res.mode} {plan} over {n_ranks(world)}] {len(res.tokens)} tokens, "
-                 f"{res.tokens_per_s:.1f} tok/s{' in this one run' if base is not None else ''}, stop: {res.stop}")
-        if res.mode == "speculative":  # as snlp generate's line: the block and the acceptance, --no-baseline or not
-            from snlp.apps.common import NO_DRAFTS
-
-            alpha = f"alpha={res.acceptance_rate:.3f}" if res.examined else NO_DRAFTS
-            stats += f", B={res.block}, {alpha}, tokens/round={res.tokens_per_round:.2f}"
+        record, stats = generation_record(args, res, tok, plan, world, mem, penalty, penalty_source, base)
         if base is not None:
             from statistics import median as med
 
@@ -268,6 +268,26 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
         if args.json:
             write_json(args.json, record)
     return 0
+
+
+def generation_record(args, res, tok, plan, world: int, mem, penalty, penalty_source, base) -> tuple[dict, str]:
+    """Rank 0's --json record and summary line of a distributed generation, before any timing fields (the timed
+    comparison adds them; a cut timing keeps these alone)."""
+    from snlp.apps.generation_defaults import sampling_record
+
+    record = {"tokens": res.tokens, "text": tok.decode(res.tokens, mark_missing=True),
+              "sampling": dict(sampling_record(args), repetition_penalty=penalty), "world_size": world,
+              "chunks_per_rank": [list(b) for b in partition(plan.chunks, world)], "memory_per_rank": mem,
+              **{k: v for k, v in res.to_dict().items() if k != "tokens"},
+              "repetition_penalty": penalty, "repetition_penalty_source": penalty_source}
+    stats = (f"[distributed {res.mode} {plan} over {n_ranks(world)}] {len(res.tokens)} tokens, "
+             f"{res.tokens_per_s:.1f} tok/s{' in this one run' if base is not None else ''}, stop: {res.stop}")
+    if res.mode == "speculative":  # as snlp generate's line: the block and the acceptance, --no-baseline or not
+        from snlp.apps.common import NO_DRAFTS
+
+        alpha = f"alpha={res.acceptance_rate:.3f}" if res.examined else NO_DRAFTS
+        stats += f", B={res.block}, {alpha}, tokens/round={res.tokens_per_round:.2f}"
+    return record, stats
 
 
 @dataclass

@@ -29,6 +29,10 @@ speculative mode also times sequential decoding beside it (--no-baseline skips t
   snlp generate runs/y --prompts-file prompts.jsonl --batch-size 4 --json out.json
 """
 GUIDE = "docs/usage.md#train-generate"
+# SIGTERM / SIGHUP / SIGUSR1/2 (docker stop, a closed terminal, a Slurm limit) raise as Ctrl-C does
+# (snlp.apps.cli.measurement_signals), so a generation finished before its timed comparison is kept as keep_on_interrupt
+# keeps it on Ctrl-C; their default action ended the process with the generation lost and --json unwritten
+RAISE_STOPS = True
 
 
 # The library (and torch) loads inside the functions, after the flags are parsed: --help answers at once.

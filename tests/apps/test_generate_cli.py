@@ -589,3 +589,68 @@ def test_ctrl_c_in_the_timing_keeps_the_generation(ckpt, tmp_path, monkeypatch, 
         assert got == seq["tokens"]  # the generation, exact, kept
         assert "the timing against sequential decoding was interrupted" in cap.out.splitlines()[-2]
         assert f"written to {out}" in cap.err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_sigterm_or_sighup_in_the_timing_keeps_the_generation_as_ctrl_c_does(ckpt, tmp_path, monkeypatch, capsys,
+                                                                             sig):
+    """SIGTERM (kill, docker stop) or SIGHUP (a closed terminal) in speculative mode's timed comparison killed
+    `snlp generate` by the signal's default action: the finished generation lost, --json unwritten. Now each ends as
+    Ctrl-C does there: the generation kept, --json written with "timing": "interrupted", exit 128 + the signal."""
+    import os
+    import signal
+
+    import snlp.decode.speculative as speculative
+
+    signum = getattr(signal, sig)
+    before = signal.getsignal(signum)
+    if before is signal.SIG_IGN:  # a suite started under nohup: an ignored SIGHUP stays ignored by design
+        signal.signal(signum, signal.SIG_DFL)
+    seq = _gen(ckpt, tmp_path, "--mode", "sequential")
+
+    def cut(*a, **kw):  # a real signal to this process, where the timing runs
+        os.kill(os.getpid(), signum)
+        raise AssertionError("the signal did not stop the timing")
+
+    monkeypatch.setattr(speculative, "speculative_benchmark", cut)
+    out = tmp_path / "cut.json"
+    capsys.readouterr()
+    assert main(["generate", str(ckpt), "--max-new-tokens", "24", "--json", str(out), "--mode", "speculative",
+                 "--plan", "2xF2-h0-K1", "--block", "3", "--prompt", "First Citizen:"]) == 128 + signum
+    cap = capsys.readouterr()
+    rec = json.loads(out.read_text())
+    assert rec["timing"] == "interrupted" and rec["tokens"] == seq["tokens"]
+    assert cap.err.strip().splitlines()[-1].startswith(f"snlp generate: interrupted by {sig}; the generation")
+    assert signal.getsignal(signum) is signal.SIG_DFL  # the command's handler is gone again
+    signal.signal(signum, before)
+
+
+def test_ctrl_c_in_the_distributed_timing_keeps_the_generation(ckpt, tmp_path, monkeypatch, capsys):
+    """`snlp generate --distributed --mode speculative`: Ctrl-C in the timed rounds (after the generation) lost it:
+    no summary line, no --json. Now rank 0 keeps it as the single-process command does ("timing": "interrupted")."""
+    import socket
+
+    import snlp.runtime.timing as timing
+
+    with socket.socket() as s:  # a one-rank process group of this process (torchrun's environment, by hand)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    seq = _gen(ckpt, tmp_path, "--mode", "sequential", "--quiet")
+
+    def cut(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(timing, "round_order", cut)
+    out = tmp_path / "dist.json"
+    capsys.readouterr()
+    assert main(["generate", str(ckpt), "--distributed", "--mode", "speculative", "--plan", "2xF1-h0-K1", "--block",
+                 "3", "--max-new-tokens", "24", "--prompt", "First Citizen:", "--json", str(out), "--quiet"]) == 130
+    cap = capsys.readouterr()
+    rec = json.loads(out.read_text())
+    assert rec["timing"] == "interrupted" and rec["tokens"] == seq["tokens"] and rec["world_size"] == 1
+    assert "measured_speedup" not in rec
+    assert any("the timing against sequential decoding was interrupted" in line for line in cap.out.splitlines())
+    assert f"written to {out}" in cap.err.strip().splitlines()[-1]
