@@ -282,6 +282,16 @@ def _step(line: str) -> int | None:
     return rec.get("step") if isinstance(rec, dict) and isinstance(rec.get("step"), int) else None
 
 
+def seed_all(seed: int) -> None:
+    """Seed every generator train_state.pt's `rng` records (rng_state): torch's from `seed`, and Python's and numpy's
+    global ones too. Those two were left seeded from the OS at start-up, so each run saved a different state for
+    them: two identical runs, or a signal's save and a --stop-after save at one step, differed in `rng` although
+    nothing of the run had drawn from them, and a resumed run restored a state no fresh run starts from."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed([seed % 2**32, seed >> 32])  # the legacy generator takes 32-bit words; a seed is up to 64 bits
+
+
 def rng_state() -> dict:
     st = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     if torch.cuda.is_available():

@@ -28,7 +28,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from snlp.train.checkpointing import (ResumePoint, check_resume_command, clear_killed_saves, drop_validations, open_run,
-                                      recorded_args, save_run, set_aside_unsaved_log, set_rng_state, trim_log)
+                                      recorded_args, save_run, seed_all, set_aside_unsaved_log, set_rng_state,
+                                      trim_log)
 from snlp.train.compiled import CompiledStep, check_compile, compile_optimizers
 from snlp.train.config import StepSpeed, TrainConfig, TrainResult
 from snlp.train.distributed import DistContext, agree_on_reason, busy_threads, setup_dist, teardown_dist
@@ -149,7 +150,7 @@ def fit(cfg: TrainConfig, make_job: Callable[..., Job] = pretrain_job, hooks: Tr
 
 def setup(cfg: TrainConfig, make_job, hooks: TrainHooks, ctx: DistContext) -> tuple[Run, LoopState]:
     """The Run and the LoopState to start from: a new run, or the one saved in cfg.out (--resume)."""
-    torch.manual_seed(cfg.seed)
+    seed_all(cfg.seed)  # a resumed run's saved states replace these (resume)
     start = open_run(Path(cfg.out), cfg.resume, cfg, ctx.world)
     if ctx.master:
         clear_killed_saves(Path(cfg.out))

@@ -124,6 +124,48 @@ def test_sigterm_saves_after_the_step_and_the_run_resumes_to_the_uninterrupted_w
     assert_same_weights(weights(out), weights(tmp_path / "ref"))
 
 
+def test_ctrl_c_then_resume_is_the_uninterrupted_run_past_the_warmup(corpus, tmp_path):
+    """A real SIGINT to `snlp train` after step 3, then `--resume` well past the step the stop saved (over the end of
+    the 10-step LR warmup): the weights equal those of a run never stopped, bit for bit; the saved `rng` (torch,
+    Python, numpy) equals that of a --stop-after save at the same step."""
+    cache, out, ref, cut = tmp_path / "cache", tmp_path / "run", tmp_path / "ref", tmp_path / "cut"
+    flags = ["--data", str(corpus), "--cache-dir", str(cache), *TINY]
+    assert main(["train", "--out", str(tmp_path / "warm"), *flags, "--stop-after", "1"]) == 0  # the token cache
+    rc, _, err = signalled(["-m", "snlp", "train", "--out", str(out), *flags], out / "log.jsonl", step=3,
+                           sig=signal.SIGINT)
+    step = saved_step(out)
+    assert rc == 130 and step >= 3, err[-3000:]
+    assert main(["train", "--out", str(cut), *flags, "--stop-after", str(step)]) == 0
+    a, b = (torch.load(Path(d) / "train_state.pt", weights_only=False)["rng"] for d in (out, cut))
+    assert torch.equal(a["torch"], b["torch"]) and a["python"] == b["python"]
+    assert all((x == y).all() if hasattr(x, "shape") else x == y for x, y in zip(a["numpy"], b["numpy"]))
+    assert main(["train", "--out", str(out), "--resume", "--stop-after", str(step + 12)]) == 0
+    assert main(["train", "--out", str(ref), *flags, "--stop-after", str(step + 12)]) == 0
+    assert_same_weights(weights(out), weights(ref))
+
+
+def test_two_runs_save_the_same_python_and_numpy_rng_states(corpus, tmp_path):
+    """train_state.pt's `rng` holds Python's and numpy's global generators besides torch's; they were never seeded,
+    so every process saved its own start-up state (two identical runs, a signal's and a --stop-after save at one
+    step all differed there) and a resume restored a state no fresh run has. Both are seeded from --seed now."""
+    import random
+
+    import numpy as np
+
+    cfg = TrainConfig(out=str(tmp_path / "r"), data=str(corpus), cache_dir=str(tmp_path / "c"), depth=2, width=32,
+                      head_dim=16, vocab_size=300, seq_len=16, batch_size=2, steps=4, eval_batches=1,
+                      no_progress=True, device="cpu")
+    states = []
+    for k in (1, 2):  # the process's generators as two fresh processes would find them: not alike
+        random.seed(k)
+        np.random.seed(k)
+        fit(replace(cfg, out=str(tmp_path / f"r{k}"), stop_after=2))
+        states.append(torch.load(tmp_path / f"r{k}" / "train_state.pt", weights_only=False)["rng"])
+    a, b = states
+    assert a["python"] == b["python"]
+    assert a["numpy"][0] == b["numpy"][0] and (a["numpy"][1] == b["numpy"][1]).all() and a["numpy"][2:] == b["numpy"][2:]
+
+
 @pytest.fixture
 def hangup_not_ignored():
     """SIGHUP at its default for the test: a suite started under nohup passes it ignored, and a run respects an
