@@ -491,6 +491,13 @@ def test_sft_and_sft_grid_stop_on_a_signal_and_say_how_to_continue(tmp_path, cap
         "a stopped one resumes from its save")
     assert saved_step(grid / "sft-sequential") == 2
     assert sorted(p.name for p in grid.iterdir()) == ["sft-sequential"]  # not scored, no second run, no table
+    # resumed, the stopped SFT run ends with the weights of one never stopped
+    monkeypatch.setattr(S, "file_hooks", lambda *a, **k: TrainHooks())
+    assert main(["sft", str(tmp_path / "base"), "--data", str(chats), "--out", str(out), "--device", "cpu",
+                 "--resume", "--stop-after", "8"]) == 0
+    assert main(["sft", str(tmp_path / "base"), "--data", str(chats), "--out", str(tmp_path / "ref"), *flags,
+                 "--stop-after", "8"]) == 0
+    assert_same_weights(weights(out), weights(tmp_path / "ref"))
 
 
 # ----- torchrun
