@@ -23,7 +23,8 @@ model's own answers, exactly in float64; the default for drafter=), in ragged ba
 decode=snlp and loglikelihood are two approximations, not one: loglikelihood scores with the plan's full-sequence
 solve (every iteration attends to that iteration's K/V of all positions), so the plan's generated answers are its
 greedy answers under its full-sequence scores only for K = 1 from h0 or preheat with the idn, none or hcn surrogate
-and from K = plan.exact_iters() on without tol (then both are the model, or its fused model); below that count (K >= 2,
+and from K = plan.exact_iters() on without tol (then both are the model, or its fused model; a causal plan's from
+K = plan.converged_iters() on, both the model with full-attention suffix layers); below that count (K >= 2,
 the fwd init), with tol, DiagN / Newton at K = 1 they differ (docs/harness.md). A plan that diverges raises
 SNLPDivergenceError in every request type (generation: snlp_generate's own check).
 
