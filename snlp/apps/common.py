@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-from snlp.io.checkpoint import checkpoint_depth, is_transformers_dir, load_preheat
+from snlp.io.checkpoint import checkpoint_depth, is_snlp_checkpoint, is_transformers_dir, load_config, load_preheat
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
 from snlp.runtime.load import LoadWindow, own_threads
@@ -42,7 +42,9 @@ def plans_preheat(ckpt, model, plans) -> Preheat | None:
 def check_plans_fit(ckpt, plans, transformers_ok: bool = False) -> None:
     """Refuse a plan too deep for the checkpoint's model (Plan.check's error, naming the plan and the depth) before
     its weights load: the depth is read from its config alone (snlp.io.checkpoint.checkpoint_depth); where no
-    config tells it (a GGUF file), the check after the load stands. `plans`: strings or Plans (None skipped).
+    config tells it (a GGUF file), the check after the load stands. An snlp checkpoint's whole config is read too,
+    so a plan its model cannot take (Plan.check_model: hcn without mHC, -causal without a window in the suffix) is
+    refused there as well. `plans`: strings or Plans (None skipped).
     A transformers directory is checked only for commands that load one (`transformers_ok`, e.g. adapt); for the
     others `load` refuses it with what the folder is and the command that converts it, the more useful error."""
     if not ckpt or (not transformers_ok and is_transformers_dir(ckpt)):
@@ -50,9 +52,16 @@ def check_plans_fit(ckpt, plans, transformers_ok: bool = False) -> None:
     depth = checkpoint_depth(ckpt)
     if depth is None:
         return
+    plans = [Plan.parse(p) if isinstance(p, str) else p for p in plans if p is not None]
     for p in plans:
-        if p is not None:
-            (Plan.parse(p) if isinstance(p, str) else p).check(depth)
+        p.check(depth)
+    if is_snlp_checkpoint(ckpt):  # its whole config is in config.json: what else a plan needs of the model (hcn:
+        try:  #                     mHC; -causal: a window in the suffix), before the weights load or data is read
+            config = load_config(ckpt)
+        except (OSError, ValueError):  # a corrupt config: the load says why
+            return
+        for p in plans:
+            p.check_model(config)
 
 
 def check_plans_grammar(text: str | None) -> list[Plan]:

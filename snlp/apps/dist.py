@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from snlp.bench.forward import ModelSpec, build_model
+from snlp.bench.forward import ModelSpec, build_model, spec_config
 from snlp.bench.records import write_records
 from snlp.dist.costmodel import Prediction
 from snlp.dist.costmodel import Shape as CostShape
@@ -104,6 +104,9 @@ def check_before_ranks(args, plans, ckpt, spec: ModelSpec | None = None) -> None
             if p.surrogate.needs_mhc and spec.hc_streams < 1:
                 raise ValueError(f"plan {p}: the {p.surrogate.token} surrogate needs an mHC model: give --hc-streams "
                                  f"N >= 1, or use idn")
+        config = spec_config(spec)  # the rest of what every rank's DistributedSNLP refuses (-causal with no window
+        for p in plans:  #           in the suffix), here, not after the plans before it were timed
+            p.check_model(config)
 
 
 def refuse_compile(args) -> None:

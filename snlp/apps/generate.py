@@ -1,7 +1,7 @@
 """Generate text from a checkpoint: sequential, SNLP, self-speculative or Jacobi decoding (KV-cached).
 
 Modes: sequential (the model's own cached decoding), snlp (every forward an SNLP solve: an
-approximation of the model unless K >= the plan's exact iteration count and M = 1), speculative (the SNLP forward drafts, the model verifies: greedy output
+approximation of the model unless K >= the plan's exact iteration count, M = 1 and no -causal), speculative (the SNLP forward drafts, the model verifies: greedy output
 identical to sequential), jacobi (Jacobi decoding over a block of future tokens, verified).
 """
 
@@ -18,9 +18,9 @@ from snlp.apps.streaming import past_context, streamer
 SUMMARY = "Generate text: sequential, SNLP, self-speculative or Jacobi decoding."
 DESCRIPTION = """\
 --mode sequential is the model's own KV-cached decoding; snlp runs every forward as an SNLP solve (an
-approximation of the model unless M = 1 and K reaches the plan's exact count: the chunks, more in other orders);
-speculative drafts with the SNLP forward (or an adapted --drafter) and lets the model verify, so greedy output equals
-sequential; jacobi decodes a block of future tokens, verified. Prints the text and the decoding statistics;
+approximation of the model unless M = 1, no -causal and K reaches the plan's exact count: the chunks, more in other
+orders); speculative drafts with the SNLP forward (or an adapted --drafter) and lets the model verify, so greedy
+output equals sequential; jacobi decodes a block of future tokens, verified. Prints the text and the decoding statistics;
 speculative mode also times sequential decoding beside it (--no-baseline skips that).
 
   snlp generate runs/y --prompt "ROMEO:" --max-new-tokens 64

@@ -43,17 +43,23 @@ class ModelSpec:
     seed: int = 0
 
 
+def spec_config(spec: ModelSpec) -> GPTConfig:
+    """The GPTConfig of `spec`'s random-weight model (`build_model` without a checkpoint), no weights built: what a
+    plan needs of the model (Plan.check_model) is checked on it before any work."""
+    return GPTConfig.from_depth(spec.depth, aspect_ratio=spec.aspect_ratio, head_dim=spec.head_dim,
+                                width=spec.width, n_kv_head=spec.kv_heads, vocab_size=spec.vocab_size,
+                                window_pattern=spec.window_pattern, x0_residual=spec.x0_residual,
+                                value_embeds=spec.value_embeds, hc_streams=spec.hc_streams,
+                                hc_dynamic=spec.hc_dynamic)
+
+
 def build_model(spec: ModelSpec) -> GPT:
     """Random-weight model of `spec`'s shape (seeded), or `spec.ckpt` loaded on the CPU."""
     if spec.ckpt:
         from snlp.io.checkpoint import load  # the checkpoint format belongs to the io floor
 
         return load(spec.ckpt, device="cpu")[0]
-    cfg = GPTConfig.from_depth(spec.depth, aspect_ratio=spec.aspect_ratio, head_dim=spec.head_dim,
-                               width=spec.width, n_kv_head=spec.kv_heads, vocab_size=spec.vocab_size,
-                               window_pattern=spec.window_pattern, x0_residual=spec.x0_residual,
-                               value_embeds=spec.value_embeds, hc_streams=spec.hc_streams,
-                               hc_dynamic=spec.hc_dynamic)
+    cfg = spec_config(spec)
     torch.manual_seed(spec.seed)
     model = GPT(cfg)
     model.init_weights(seed=spec.seed)

@@ -23,7 +23,8 @@ model's own answers, exactly in float64; the default for drafter=), in ragged ba
 decode=snlp and loglikelihood are two approximations, not one: loglikelihood scores with the plan's full-sequence
 solve (every iteration attends to that iteration's K/V of all positions), so the plan's generated answers are its
 greedy answers under its full-sequence scores only for K = 1 from h0 or preheat with the idn, none or hcn surrogate
-and from K = plan.exact_iters() on without tol (then both are the model, or its fused model); below that count (K >= 2,
+and from K = plan.exact_iters() on without tol (then both are the model, or its fused model; a causal plan's from
+K = plan.converged_iters() on, both the model with full-attention suffix layers); below that count (K >= 2,
 the fwd init), with tol, DiagN / Newton at K = 1 they differ (docs/harness.md). A plan that diverges raises
 SNLPDivergenceError in every request type (generation: snlp_generate's own check).
 
@@ -87,6 +88,7 @@ SAMPLING_ONLY = {"top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_
 # transformers.GenerationConfig's own top_k / top_p, what a sampled generate() filters with where neither the call nor
 # the model's generation config sets them
 TRANSFORMERS_SAMPLING_DEFAULTS = {"top_k": 50, "top_p": 1.0}
+NO_FILTER = {"top_k": 0, "top_p": 1.0}  # snlp.decode.session.Sampling's values that filter nothing
 
 
 def refused_gen_kwargs(kw: dict, greedy: bool) -> list[str]:
@@ -611,8 +613,10 @@ class SNLPLM(TemplateLM):
         # a greedy task (do_sample false) draws nothing, so there they change nothing
         # a filter the task leaves out is the model's generation config's, else transformers' GenerationConfig
         # default (top_k 50, top_p 1.0): the hf model's generate() merges the task's kwargs over them, so without this
-        # a sampled task drew from the whole vocabulary where the hf model draws from the 50 likeliest tokens
-        top_k, top_p = (kw[k] if kw.get(k) is not None else self.sampling_default(k) for k in ("top_k", "top_p"))
+        # a sampled task drew from the whole vocabulary where the hf model draws from the 50 likeliest tokens. A filter
+        # the task writes as null reaches that generate() as None, which overrides both and filters nothing
+        top_k, top_p = (self.sampling_default(k) if k not in kw else NO_FILTER[k] if kw[k] is None else kw[k]
+                        for k in ("top_k", "top_p"))
         refused = refused_gen_kwargs(kw, greedy=not kw["do_sample"])  # a task that samples: its filters count
         if refused:
             raise ValueError(f"generation options {', '.join(f'{k}={kw[k]!r}' for k in refused)} are not "

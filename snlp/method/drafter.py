@@ -92,12 +92,17 @@ class Drafter:
 
     def check_plan(self, plan: Plan) -> Plan:
         """`plan` if it runs this drafter's suffix (same prefix length S and chunk layout: K, the init and the
-        surrogate may differ from the plan it was adapted for), else a ValueError."""
+        surrogate may differ from the plan it was adapted for) as the function it was adapted through (`causal`
+        drops the suffix windows: the weights were fitted with or without them), else a ValueError."""
         n = self.model.config.n_layer
         if plan.prefix_len(n) != self.suffix_start or plan.fuse != self.plan.fuse:
             raise ValueError(f"plan {plan} does not fit this drafter, adapted for {self.plan} (suffix of "
                              f"{self.plan.chunks}x{self.plan.fuse} layers from layer {self.suffix_start}): use "
                              f"{self.plan.chunks}xF{self.plan.fuse}-... or adapt a drafter for {plan}")
+        if plan.causal != self.plan.causal:
+            raise ValueError(f"plan {plan} does not fit this drafter, adapted for {self.plan}: its suffix was adapted "
+                             f"{'with' if self.plan.causal else 'without'} -causal (the windows dropped or kept), "
+                             f"{'add' if self.plan.causal else 'drop'} -causal or adapt a drafter for {plan}")
         return plan
 
     def merged(self) -> "Drafter":

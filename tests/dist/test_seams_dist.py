@@ -876,3 +876,18 @@ def test_a_distributed_prefill_computes_no_logits(world, tmp_path):
             assert toks == want[mode], (r, mode)
             assert max(rows, default=0) <= 3, (r, mode, rows)  # never the prompt's 10 positions
             assert bool(rows) == (r == world - 1), (r, mode, rows)  # the last rank projects
+
+
+def test_bench_distributed_refuses_a_causal_plan_on_a_window_free_model_before_any_rank(capsys):
+    """Every rank's DistributedSNLP refuses -causal where the suffix has no window, but `snlp bench --distributed`
+    builds one per plan in turn: on random weights (default --window-pattern L) the plans before it were timed first
+    and the ranks then failed. Now refused in one line before the process group (without torchrun here: the refusal
+    comes before the torchrun check), and a windowed model reaches that check."""
+    from snlp.apps.cli import main
+
+    args = ["bench", "--distributed", "--plans", "4xF1-h0-K1,4xF1-h0-K1-causal", "--depth", "8", "--device", "cpu"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "4xF1-h0-K1-causal" in err[0] and "drop -causal" in err[0]
+    assert main(args + ["--window-pattern", "SL"]) == 2
+    assert "torchrun" in capsys.readouterr().err

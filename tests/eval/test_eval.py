@@ -606,3 +606,24 @@ def test_ar_match_generates_by_the_whole_prefix_loop_also_where_kv_cached_decodi
     assert cached["6xF1-h0-K2"] != gens["6xF1-h0-K2"]  # 1 < K < C: it does not
     assert cached["3xF2-fwd-K1"] != gens["3xF2-fwd-K1"]  # nor a fwd init (its batched forward: one more evaluation)
     assert cached["6xF1-h0-K1-diag:fd"] != gens["6xF1-h0-K1-diag:fd"]  # nor DiagN at K = 1 (its probes evaluate the chunks)
+
+
+@pytest.mark.parametrize("cmd", [["eval", "--plans", "2xF1-h0-K1,4xF1-h0-K1-causal"],
+                                 ["generate", "--prompt", "a", "--mode", "snlp", "--plan", "4xF1-h0-K1-causal"],
+                                 ["eval", "--plans", "4xF1-h0-K1-hcn"]])
+def test_a_plan_the_checkpoints_model_cannot_take_is_refused_before_it_loads(cmd, tmp_path, monkeypatch, capsys):
+    """-causal on a model with no window in its suffix (or hcn without mHC) was refused only once the weights had
+    loaded (and `snlp eval` had read and tokenised the validation data); the checkpoint's config.json tells it: one
+    line before the load."""
+    from snlp.io.checkpoint import save_checkpoint
+    from snlp.io.tokenizer import MIN_VOCAB, Tokenizer
+
+    import snlp.io.checkpoint
+
+    tok = Tokenizer.train(["the cat sat on the mat"], vocab_size=MIN_VOCAB + 10)
+    ck = save_checkpoint(tmp_path / "full", make_model(window_pattern="L", vocab_size=tok.vocab_size, n_layer=4),
+                         tokenizer=tok)
+    monkeypatch.setattr(snlp.io.checkpoint, "load", lambda *a, **k: pytest.fail("the checkpoint loaded first"))
+    assert main([cmd[0], str(ck), *cmd[1:], "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and ("drop -causal" in err[0] or "needs an mHC model" in err[0])

@@ -108,3 +108,35 @@ def test_a_sampled_task_without_filters_gets_the_ones_transformers_generate_appl
                                           **task})]))
     want = tuple(_transformers_default(k) if w == "default" else w for k, w in zip(("top_k", "top_p"), want))
     assert seen == [want] and want[0] in (0, 20, 50)
+
+
+def _hf_filters(task: dict, config: dict) -> tuple:
+    """The reference: the top_k / top_p transformers' generate() samples with for the task's kwargs (lm-eval's hf
+    model passes them through unchanged, explicit nulls included) over a model whose generation config is `config`,
+    read from generate's own config merge; None / 0 / 1.0 is no filter (snlp's 0 / 1.0)."""
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2))
+    hf.generation_config = transformers.GenerationConfig(**config)
+    g, _ = hf._prepare_generation_config(None, do_sample=True, temperature=0.7, **task)
+    return (0 if g.top_k is None else g.top_k, 1.0 if g.top_p is None else g.top_p)
+
+
+@pytest.mark.parametrize("task, config", [
+    ({}, {}), ({"top_k": None}, {}), ({"top_k": None}, {"top_k": 20}), ({"top_p": None}, {"top_p": 0.9}),
+    ({"top_k": None, "top_p": None}, {"top_k": 20, "top_p": 0.9}), ({}, {"top_k": 20}), ({"top_k": 7}, {"top_k": 20}),
+])
+def test_a_sampled_tasks_filters_are_the_ones_transformers_generate_samples_with(task, config, monkeypatch):
+    """A task that writes `top_k: null` (or `top_p: null`) passes None to the hf model's generate(), which then
+    filters nothing (the call's None overrides the config and transformers' default 50): it is the no-op value, as
+    GEN_NOOPS says, not a filter left out (the config's or top_k 50)."""
+    model, tok = _tiny()
+    bos = tok.tok.id_to_token(tok.bos_id)
+    tok = Tokenizer(tok.tok, {"bos_token": bos, "eos_token": bos, "generation_config": config})
+    lm = SNLPLM(pretrained=model, tokenizer=tok)
+    seen = []
+    monkeypatch.setattr(lm, "_generate", lambda prompts, max_new, temperature, first, top_k, top_p, *a:
+                        seen.append((top_k, top_p)) or [[] for _ in prompts])
+    lm.generate_until(_reqs([("the cat", {"until": ["."], "max_gen_toks": 4, "do_sample": True, "temperature": 0.7,
+                                          **task})]))
+    assert seen == [_hf_filters(task, config)]

@@ -853,3 +853,21 @@ def test_validate_drafter_in_row_slices_equals_one_forward(tmp_path, kv):
     assert seen and max(seen) <= 2
     for k in ("loss", "mse", "top1", "top1_ssd"):
         assert getattr(got, k) == pytest.approx(getattr(ref, k), rel=1e-6, abs=1e-9), k
+
+
+def test_a_drafter_refuses_a_plan_that_adds_or_drops_causal(tmp_path):
+    """A drafter's suffix weights are fitted through its plan's function, with the suffix windows (plain) or without
+    them (`causal`); a plan that flips the option runs the weights through the other function. It was accepted (only
+    the layout was compared) and decoded with the other function silently; now refused, the drafter's own plan and a
+    plan with another K keep working, also after a save / load round trip."""
+    from snlp.decode.speculative import speculative_generate
+
+    base = make_model()
+    for own, other in (("4xF1-h0-K1-causal", "4xF1-h0-K2"), ("4xF1-h0-K1", "4xF1-h0-K2-causal")):
+        d = load_drafter(save_drafter(tmp_path / own, make_drafter(base, own)), base)
+        assert d.plan == Plan.parse(own)
+        assert d.check_plan(Plan.parse(own).with_(iters=3)) == Plan.parse(own).with_(iters=3)
+        with pytest.raises(ValueError, match="does not fit this drafter.*-causal"):
+            d.check_plan(Plan.parse(other))
+        with pytest.raises(ValueError, match="does not fit this drafter.*-causal"):
+            speculative_generate(base, [3, 1, 4], other, max_new_tokens=4, drafter=d)

@@ -386,8 +386,14 @@ def setup(args) -> Speedrun:
                          steps=pre.steps)
     for reg in (False, True):  # both models' TrainConfig, refused here as `snlp train` refuses it: in the training
         # processes a bad value (e.g. --seed -1) failed with a traceback after the tokenizer stage and the probe ran
-        train_config(dataclasses.asdict(cfg), out / "noreg", out / "cache", reg, steps=pre.steps,
-                     minutes=pre.minutes if pre.budget_minutes is None else 1.0).check()
+        tcfg = train_config(dataclasses.asdict(cfg), out / "noreg", out / "cache", reg, steps=pre.steps,
+                            minutes=pre.minutes if pre.budget_minutes is None else 1.0)
+        tcfg.check()
+    from snlp.train.pretrain import build_config
+
+    mcfg = build_config(tcfg, cfg.vocab_size)  # the models' shape: what a plan needs of it (-causal: a window in the
+    for p in parsed:  #                          suffix, which the speedrun's full-attention models lack), here, before
+        p.check_model(mcfg)  #                   they train, not when evaluation binds the plan
     if args.force:  # the token cache and the record that names it; the trained models and their records go only
         # when training starts anew (train._train): a forced run refused by the budget, or stopped before it trains,
         # keeps the models it would have replaced (their stale records are never reused: --force skips every
