@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import socket
 import tempfile
 from pathlib import Path
@@ -28,6 +29,13 @@ def examples(n: int) -> int:
     return max(n, 1000) if THOROUGH else n
 
 from snlp import GPT, GPTConfig
+
+# Ctrl-C as a terminal delivers it: a test suite started in the background of a non-interactive shell (`bash .ci/run
+# &`, nohup) inherits SIGINT ignored, and Python then keeps it ignored, so the tests that press Ctrl-C (in this process
+# or in a child, which inherits the ignore through exec) saw a run that never stopped. A Python handler, unlike an
+# ignore, is reset to the default by exec, so each child starts with Python's own KeyboardInterrupt again.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Under pytest-xdist (scripts/test.sh runs `-n N`) the N workers share the cores: each takes its share of intra-op
 # threads, so the tiny models' many small ops do not contend across workers.

@@ -228,7 +228,7 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
                 rounds.append((got["sequential"], got[args.mode]))
         except KeyboardInterrupt:  # Ctrl-C (or a signal raised as one) in the timing, after the generation: rank 0
             if rank == 0:  # keeps it as snlp generate does (printed, --json with "timing": "interrupted")
-                from snlp.apps.generate import keep_on_interrupt
+                from snlp.apps.streaming import keep_on_interrupt
 
                 record, stats = generation_record(args, res, tok, plan, world, mem, penalty, penalty_source, base)
                 with keep_on_interrupt(args, stats, record):

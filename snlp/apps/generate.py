@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import json
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 from snlp.apps.generation_defaults import check_penalty_flag, defaults_note, penalty_and_source, sampling_record
-from snlp.apps.streaming import past_context, streamer
+from snlp.apps.streaming import keep_on_interrupt, past_context, streamer
 
 SUMMARY = "Generate text: sequential, SNLP, self-speculative or Jacobi decoding."
 DESCRIPTION = """\
@@ -251,27 +250,6 @@ def decode(args, model, prompt, plan, preheat, eos_id, on_tokens, steps: dict | 
                                     adaptive=args.adaptive_block, draft=steps.get("draft"), verify=steps.get("seq"),
                                     drafter=drafter, **kw)
     return jacobi_generate(model, prompt, plan, block=args.block, preheat=preheat, **kw)
-
-
-@contextmanager
-def keep_on_interrupt(args, stats: str, record: dict):
-    """Ctrl-C (or a signal raised as one) in speculative mode's timed comparison, which runs after the generation:
-    the generation is done, so its summary line is printed and --json written (with "timing": "interrupted" and no
-    timing fields) before the interrupt goes on; the command's interrupt line then says what was kept
-    (interrupt_hint). Without this, minutes of decoding (a converted model's chat answer) were lost with the timing."""
-    try:
-        yield
-    except KeyboardInterrupt:
-        record["timing"] = "interrupted"
-        print(f"{stats}; the timing against sequential decoding was interrupted (--no-baseline skips it)")
-        if args.json:
-            from snlp.runtime.device import write_json
-
-            write_json(args.json, record)
-        args.kept = "the generation and its statistics are printed above" + \
-            (f" and written to {args.json} (\"timing\": \"interrupted\")" if args.json else "") + \
-            "; only the timing was cut (--no-baseline skips it)"
-        raise
 
 
 def interrupt_hint(args) -> str:

@@ -1,9 +1,11 @@
 """What `snlp generate` prints while it decodes, single-process and --distributed alike: the text streamed as it
-grows, and the note where a decode reaches past the model's trained context."""
+grows, the note where a decode reaches past the model's trained context, and the generation kept when its timing is
+interrupted."""
 
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 
 
 def streamer(tok, hide=(), head: str = ""):
@@ -38,3 +40,24 @@ def past_context(model, prompt_len: int, max_new: int) -> None:
     if prompt_len + max_new > n:
         print(f"snlp generate: the prompt ({prompt_len} tokens) + --max-new-tokens {max_new} may reach past the "
               f"model's trained context ({n} tokens): positions past {n} are extrapolated", file=sys.stderr)
+
+
+@contextmanager
+def keep_on_interrupt(args, stats: str, record: dict):
+    """Ctrl-C (or a signal raised as one) in speculative mode's timed comparison, which runs after the generation:
+    the generation is done, so its summary line is printed and --json written (with "timing": "interrupted" and no
+    timing fields) before the interrupt goes on; the command's interrupt line then says what was kept
+    (interrupt_hint). Without this, minutes of decoding (a converted model's chat answer) were lost with the timing."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        record["timing"] = "interrupted"
+        print(f"{stats}; the timing against sequential decoding was interrupted (--no-baseline skips it)")
+        if args.json:
+            from snlp.runtime.device import write_json
+
+            write_json(args.json, record)
+        args.kept = "the generation and its statistics are printed above" + \
+            (f" and written to {args.json} (\"timing\": \"interrupted\")" if args.json else "") + \
+            "; only the timing was cut (--no-baseline skips it)"
+        raise

@@ -417,7 +417,8 @@ def test_registered_and_refusals(smol_cut_hf, base):
     with pytest.raises(ValueError, match="batch_size=auto"):
         SNLPLM(pretrained=model, tokenizer=tok, batch_size="auto")
     req = Instance(request_type="generate_until", doc={}, idx=0,
-                   arguments=("Hello", {"until": ["\n"], "max_gen_toks": 2, "do_sample": True, "min_p": 0.1}))
+                   arguments=("Hello", {"until": ["\n"], "max_gen_toks": 2, "do_sample": True, "temperature": 0.7,
+                                                 "min_p": 0.1}))
     with pytest.raises(ValueError, match="min_p"):
         SNLPLM(pretrained=model, tokenizer=tok).generate_until([req])
 

@@ -153,7 +153,7 @@ def _own_tiny(n_layer=3, **kw):
 def test_sampled_requests_draw_their_own_samples():
     """A task with `repeats: N` and do_sample sends one request N times: every batch was re-seeded with seed=, so the
     N answers were ~batch_size distinct samples (at batch 1 all identical). Now the r-th request decoded in a call
-    draws from seed + r: reference, a naive loop sampling softmax(logits / T) of the full forward from a generator
+    draws from seed + r: reference, a naive loop sampling softmax(logits / T) (top 50) of the full forward from a generator
     seeded 1234 + r, at batch 1 and 4; the same seed gives the same answers, another seed others."""
     model, tok = _own_tiny()
     g = {"until": [], "max_gen_toks": 8, "do_sample": True, "temperature": 5.0}
@@ -165,7 +165,10 @@ def test_sampled_requests_draw_their_own_samples():
         gen, ids = torch.Generator().manual_seed(seed), list(prompt)
         for _ in range(8):
             with torch.no_grad():
-                probs = torch.softmax(model(torch.tensor([ids]))[0, -1].float() / 5.0, -1)
+                x = model(torch.tensor([ids]))[0, -1].float() / 5.0
+            if x.numel() > 50:  # the hf model's generate filters to transformers' default top_k 50 (no task top_k)
+                x = x.masked_fill(x < torch.topk(x, 50).values[-1:], -torch.inf)
+            probs = torch.softmax(x, -1)
             ids.append(int(torch.multinomial(probs, 1, generator=gen)))
             if ids[-1] in (lm.eot_token_id, tok.token_id("<|assistant_end|>")):  # nanochat's end of a reply
                 break
