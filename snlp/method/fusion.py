@@ -30,9 +30,9 @@ O_l and P_l. For M = 1 this is the layer itself; with x0 off it is the paper's f
 Value embeddings inside a chunk: each layer that has them keeps its own table and gate; its gate
 reads the shared norm(x_C). Layers without them get a zero embedding (so their gate is inert),
 which keeps the whole chunk one batched op. Sliding windows: every branch keeps its own window
-(the reference code drops windows; we do so only for a plan that names it, `-causal`, `full_causal`): through a per-branch attention mask, branches grouped by
-window (banded kernel), or one FlexAttention call with a per-branch window mask inside compiled graphs
-(snlp.model.ops.set_window_kernel).
+(the reference code drops windows; we do so only for a plan that names it, `-causal`, `full_causal`):
+through a per-branch attention mask, branches grouped by window (banded kernel), or one FlexAttention
+call with a per-branch window mask inside compiled graphs (snlp.model.ops.set_window_kernel).
 
 mHC chunks (GPTConfig.hc_streams = n; states (C, B, T, n, D)). Layer l's sublayers are
 x' = R x + p (x) F(norm(q . x)) with R = H_res, q = H_pre, p = H_post (see snlp.model). A chunk
