@@ -109,7 +109,7 @@ def test_jacobi_round_counts_with_a_stop_mid_round():
     """Exact Jacobi keeps its whole block every round: round r emits outputs 5r .. 5r + 4 (4 guesses, then the
     prediction), so a stop at output e = 5r + j (j < 4) is the (j + 1)-th kept guess of round r and the 3 - j
     guesses after it were made but unusable. Before, accepted_fraction counted them (e = 0: 1/4 where the one
-    usable guess was kept)."""
+    usable guess was kept), and before that alpha's counts did too (tokens [78, 87] with accepted 4 in one round)."""
     model = make_model(n_layer=4)
     prompt = [5, 9, 2, 40]
     free = jacobi_generate(model, prompt, None, block=4, max_new_tokens=15).tokens
