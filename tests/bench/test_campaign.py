@@ -54,6 +54,32 @@ def test_the_table_keeps_each_parts_failures_and_correctness(tmp_path):
     assert "Correctness" in out and "| every |" not in out
 
 
+def test_a_part_cut_short_while_writing_costs_its_section_only(tmp_path):
+    """A part's limit (timeout's SIGTERM / SIGKILL) can land while it writes its files: flex.json cut mid-way, or a
+    decode.md whose decode.json never came. The table is still written and printed last, with every part's status,
+    the other parts' sections, and the unreadable output named (it crashed with a traceback, and no table)."""
+    parts = tmp_path / "parts"
+    (parts / "flex").mkdir(parents=True)
+    (parts / "flex" / "flex.json").write_text('{"rows": [{"case": ')  # truncated
+    (parts / "decode").mkdir()
+    (parts / "decode" / "decode.md").write_text("# Decode\n")  # its .json not written yet
+    (parts / "attn.json").write_text(json.dumps({"device": "cpu", "T": 8, "window": 4, "rows": [
+        {"case": "c", "heads": 2, "formulation": "masked", "ms": 1.0, "max_abs_err": 0.0, "first_call_s": 0.1}]}))
+    for name, rc in (("flex", 124), ("decode", 137), ("attn", 0)):
+        (parts / f"{name}.status.json").write_text(json.dumps({"part": name, "rc": rc, "seconds": 9}))
+    (parts / "host.status.json").write_text('{"part": "host", "rc"')  # cut short too
+    out = subprocess.run(["python3", str(ROOT / "scripts" / "campaign_table.py"), str(tmp_path)], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    table = (tmp_path / "campaign.md").read_text()
+    assert out.stdout.rstrip().endswith(table.rstrip().splitlines()[-1])
+    assert "- part flex: rc 124 in 9 s (TIMED OUT)" in table and "- part attn: rc 0 in 9 s" in table
+    assert "Attention formulations" in table
+    assert "- flex: JSONDecodeError" in table and "- decode: FileNotFoundError" in table and "- host: " in table
+    merged = json.loads((tmp_path / "campaign.json").read_text())
+    assert set(merged["unreadable"]) == {"flex", "decode", "host"} and set(merged["parts"]) == {"attn"}
+
+
 def test_the_compiled_profile_table_shows_the_host_gap_and_graph_replays(tmp_path):
     """What settles where the compiled K = 1 plan's fixed cost goes (docs/records/2026-11-28-prefill-once.md) reaches
     the printed table: wall time, host gap and CUDA graph replays per call; profiles written before these fields
