@@ -193,6 +193,11 @@ def test_quick_host_part_runs_and_reaches_the_table(tmp_path):
     (["--parts", "attn"], {"TRAIN_REGS": "none"}, "TRAIN_REGS sets the train part's variants"),
     (["--parts", "attn"], {"TRAINED_STEPS": "5"}, "TRAINED_STEPS sets decode_trained's training"),
     (["--parts", "decode_trained", "--decode-plans", "2xF1-h0-K1"], {}, "--decode-plans set the decode part"),
+    (["--parts", "attn", "--out"], {}, "--out needs a value"),
+    (["--parts", "decode", "--decode-prompts", "/none.json", "--paper", "/none/nanochat-snlp"], {},
+     "no nanochat/gpt.py there"),
+    (["--parts", "decode", "--decode-prompts", "/none.json", "--out", "/dev/null/c"], {},
+     "--out /dev/null/c: cannot write there"),
 ])
 def test_a_knob_the_call_would_ignore_is_refused_before_anything_runs(argv, env, says, tmp_path):
     """A part name, a LIMIT_ / DECODE_ / TRAIN_ knob or a --decode-* flag the call would not use (a typo, or a part it
@@ -204,6 +209,38 @@ def test_a_knob_the_call_would_ignore_is_refused_before_anything_runs(argv, env,
                          env={**base, **env}, cwd=ROOT)
     assert out.returncode == 2 and says in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert not (tmp_path / "c").exists()
+
+
+def test_without_the_papers_code_its_parts_are_named_not_run_and_the_others_still_run(tmp_path):
+    """A call whose parts need the paper's code (docs/gpu.md's call 3, --parts profile_compiled) on a machine it was
+    not carried to: each such part is named NOT RUN in the log and the table, the call's other parts still run and
+    the table is printed last. It printed "vs-paper parts skipped" and a table with no line for profile_compiled."""
+    repo = tmp_path / "repo"  # a clone with no .paper/ and no ../shared beside it
+    (repo / "scripts").mkdir(parents=True)
+    for f in ("gpu_campaign.sh", "campaign_table.py"):
+        (repo / "scripts" / f).write_text((ROOT / "scripts" / f).read_text())
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("LIMIT_", "DECODE_", "TRAIN_", "TRAINED_"))}
+    out = subprocess.run(["bash", str(repo / "scripts" / "gpu_campaign.sh"), "--quick", "--out", str(tmp_path / "c"),
+                          "--parts", "profile_compiled,vs_paper_eager,decode", "--decode-prompts", "/nonexistent.json"],
+                         capture_output=True, text=True, timeout=300, env={**base, "PYTHONPATH": str(ROOT)}, cwd=repo)
+    assert out.returncode == 0, out.stderr[-2000:]
+    table = (tmp_path / "c" / "campaign.md").read_text()
+    assert "- part profile_compiled: NOT RUN (no checkout of the paper's code)" in table
+    assert "- part vs_paper_eager: NOT RUN (no checkout of the paper's code)" in table
+    assert "- part decode: rc 2" in table  # it ran (and refused its missing prompts file)
+    assert "part profile_compiled NOT RUN" in out.stdout and out.stdout.rstrip().endswith(table.rstrip().splitlines()[-1])
+
+
+def test_the_parts_named_as_needing_the_paper_are_those_run_only_with_it():
+    """PAPER_PARTS (named NOT RUN without a checkout) is the set of parts inside the script's `if [ -n "$PAPER" ]`
+    blocks: a part moved in or out of them without the list would be skipped unnamed, or named and run."""
+    import re
+
+    text = (ROOT / "scripts" / "gpu_campaign.sh").read_text()
+    listed = re.search(r"^PAPER_PARTS=(\S+)", text, re.M).group(1).split(",")
+    blocks = re.findall(r'^if \[ -n "\$PAPER" \]; then\n(.*?)^fi$', text, re.M | re.S)
+    inside = {p for b in blocks for p in re.findall(r"^ *part ([a-z_]+)", b, re.M)}
+    assert blocks and sorted(listed) == sorted(inside)
 
 
 def test_the_campaigns_list_of_parts_is_every_part_it_runs():
