@@ -18,11 +18,12 @@ def _opt(v, fmt: str = "{:.2f}") -> str:
 
 
 def status_line(name: str, v: dict) -> str:
-    """A part's line: its exit status and time, or why it did not run (gpu_campaign.sh writes {"rc": null,
-    "not_run": why} for a part it skipped)."""
+    """A part's line: its exit status and time (with a failed part's last line of output), or why it did not run
+    (gpu_campaign.sh writes {"rc": null, "not_run": why} for a part it skipped)."""
     if v.get("rc") is None:
         return f"- part {name}: NOT RUN ({v.get('not_run', 'no exit status')})"
-    return f"- part {name}: rc {v['rc']} in {v['seconds']} s" + (" (TIMED OUT)" if v["rc"] in (124, 137) else "")
+    return (f"- part {name}: rc {v['rc']} in {v['seconds']} s" + (" (TIMED OUT)" if v["rc"] in (124, 137) else "")
+            + (f": {v['last_line']}" if v.get("last_line") else ""))
 
 
 def attn_section(parts: Path, merged: dict) -> list[str]:

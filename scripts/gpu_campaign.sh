@@ -115,11 +115,17 @@ part() {  # part NAME SECONDS CMD...: run one part under its limit; its status g
   local limit_var="LIMIT_$name"; secs=${!limit_var:-$secs}  # LIMIT_<part>=SECONDS overrides a part's limit
   case ",$PARTS," in *",$name,"*) ;; *) return 0 ;; esac
   echo "campaign: part $name (limit ${secs}s) at $(date -u +%T)" | tee -a "$LOG"
-  local t0=$SECONDS
+  local t0=$SECONDS start
+  start=$(stat -c %s "$LOG")
   timeout --kill-after=10 "$secs" "$@" >>"$LOG" 2>&1
   local rc=$?
   echo "campaign: part $name rc=$rc in $((SECONDS - t0))s" | tee -a "$LOG"
-  echo "{\"part\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - t0))}" > "$OUT/parts/$name.status.json"
+  # a failed part's last line of output (its error) goes into its status: the table, which a device call returns,
+  # then says why, not only the exit status
+  tail -c +$((start + 1)) "$LOG" | grep -v '^campaign: part ' | grep -v '^[[:space:]]*$' | tail -n 1 | cut -c1-300 |
+    $PY -c 'import json, sys; print(json.dumps({"part": sys.argv[1], "rc": int(sys.argv[2]), "seconds": int(sys.argv[3]),
+             **({"last_line": sys.stdin.read().strip()} if sys.argv[2] != "0" else {})}))' \
+      "$name" "$rc" "$((SECONDS - t0))" > "$OUT/parts/$name.status.json"
 }
 
 PAPER_PARTS=vs_paper_eager,profile,profile_compiled,vs_paper_compiled  # the parts that run the paper's code

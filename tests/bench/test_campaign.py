@@ -231,6 +231,20 @@ def test_without_the_papers_code_its_parts_are_named_not_run_and_the_others_stil
     assert "part profile_compiled NOT RUN" in out.stdout and out.stdout.rstrip().endswith(table.rstrip().splitlines()[-1])
 
 
+def test_a_failed_parts_error_line_reaches_the_printed_table(tmp_path):
+    """A device call returns the tail of its output, the table: a failed part's line there carries its last line of
+    output (docs/gpu.md's call 1 without runs/sr-idn carried: the missing prompts file), not only "rc 2"."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("LIMIT_", "DECODE_", "TRAIN_", "TRAINED_"))}
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_campaign.sh"), "--quick", "--out", str(tmp_path / "c"),
+                          "--parts", "decode", "--decode-prompts", str(tmp_path / 'no "such".json')],
+                         capture_output=True, text=True, timeout=300, env=base, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("- part decode:"))
+    assert line.startswith("- part decode: rc 2 in ") and line.endswith('no "such".json does not exist'), line
+    status = json.loads((tmp_path / "c" / "parts" / "decode.status.json").read_text())
+    assert status["rc"] == 2 and "does not exist" in status["last_line"]
+
+
 def test_the_parts_named_as_needing_the_paper_are_those_run_only_with_it():
     """PAPER_PARTS (named NOT RUN without a checkout) is the set of parts inside the script's `if [ -n "$PAPER" ]`
     blocks: a part moved in or out of them without the list would be skipped unnamed, or named and run."""
