@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from snlp.model import ops
+from snlp.runtime.device import write_atomic
 
 
 def _thread_ms(fn, runs: int) -> float:
@@ -364,10 +365,10 @@ def main():
         out = counts(a)
     else:
         def save(out):
-            if a.out:
-                Path(a.out).mkdir(parents=True, exist_ok=True)
-                (Path(a.out) / "flex.json").write_text(json.dumps(out, indent=1))
-                (Path(a.out) / "flex.md").write_text(prefill_markdown(out))
+            if a.out:  # rewritten after every forward: a limit's kill mid-write keeps the previous pair whole (atomic
+                # writes), and the .md goes first, so a flex.json (what campaign_table looks for) always has its .md
+                write_atomic(Path(a.out) / "flex.md", prefill_markdown(out))
+                write_atomic(Path(a.out) / "flex.json", json.dumps(out, indent=1))
         out = prefill(a, save)
         save(out)
         print(prefill_markdown(out))

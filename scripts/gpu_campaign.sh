@@ -20,6 +20,8 @@ QUICK=0; OUT=runs/gpu-campaign; PAPER=""; PARTS=""; DCKPT=random-smollm2; DPLANS
 DFLAGS=""  # the --decode-* flags given: they set the decode part only
 while [ $# -gt 0 ]; do
   case "$1" in
+    --out|--paper|--parts|--decode-ckpt|--decode-plans|--decode-drafter|--decode-prompts)
+      [ $# -ge 2 ] || { echo "gpu_campaign: $1 needs a value" >&2; exit 2; } ;;&
     --quick) QUICK=1 ;;
     --out) OUT="$2"; shift ;;
     --paper) PAPER="$2"; shift ;;
@@ -33,6 +35,9 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
+if [ -n "$PAPER" ] && [ ! -f "$PAPER/nanochat/gpt.py" ]; then  # relative to the repository root, as --out
+  echo "gpu_campaign: --paper $PAPER: no nanochat/gpt.py there (a checkout of the paper's code, nanochat-snlp)" >&2; exit 2
+fi
 if [ -z "$PAPER" ]; then
   for p in .paper/nanochat-snlp ../shared/anchors/nanochat-snlp; do [ -f "$p/nanochat/gpt.py" ] && PAPER=$p && break; done
 fi
@@ -91,8 +96,10 @@ done
 if [ -n "$DFLAGS" ] && ! has_part decode "$PARTS"; then
   refuse "${DFLAGS# } set the decode part and this call runs no decode (parts $PARTS)"
 fi
-mkdir -p "$OUT/parts"
-LOG="$OUT/log.txt"; : > "$LOG"
+LOG="$OUT/log.txt"
+# an output folder that cannot be written would lose every part's results after spending the call on them
+{ mkdir -p "$OUT/parts" && : > "$LOG" && : > "$OUT/parts/.writable" && rm -f "$OUT/parts/.writable"; } 2>/dev/null ||
+  refuse "--out $OUT: cannot write there"
 
 # the machine, first: what the numbers below ran on
 $PY - <<'EOF' 2>&1 | tee -a "$LOG"
@@ -108,19 +115,32 @@ part() {  # part NAME SECONDS CMD...: run one part under its limit; its status g
   local limit_var="LIMIT_$name"; secs=${!limit_var:-$secs}  # LIMIT_<part>=SECONDS overrides a part's limit
   case ",$PARTS," in *",$name,"*) ;; *) return 0 ;; esac
   echo "campaign: part $name (limit ${secs}s) at $(date -u +%T)" | tee -a "$LOG"
-  local t0=$SECONDS
+  local t0=$SECONDS start
+  start=$(stat -c %s "$LOG")
   timeout --kill-after=10 "$secs" "$@" >>"$LOG" 2>&1
   local rc=$?
   echo "campaign: part $name rc=$rc in $((SECONDS - t0))s" | tee -a "$LOG"
-  echo "{\"part\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - t0))}" > "$OUT/parts/$name.status.json"
+  # a failed part's last line of output (its error) goes into its status: the table, which a device call returns,
+  # then says why, not only the exit status
+  tail -c +$((start + 1)) "$LOG" | grep -v '^campaign: part ' | grep -v '^[[:space:]]*$' | tail -n 1 | cut -c1-300 |
+    $PY -c 'import json, sys; print(json.dumps({"part": sys.argv[1], "rc": int(sys.argv[2]), "seconds": int(sys.argv[3]),
+             **({"last_line": sys.stdin.read().strip()} if sys.argv[2] != "0" else {})}))' \
+      "$name" "$rc" "$((SECONDS - t0))" > "$OUT/parts/$name.status.json"
 }
 
+PAPER_PARTS=vs_paper_eager,profile,profile_compiled,vs_paper_compiled  # the parts that run the paper's code
+if [ -z "$PAPER" ]; then  # each asked-for one is named, in the log and the table, and the other parts still run
+  for p in ${PARTS//,/ }; do
+    has_part "$p" "$PAPER_PARTS" || continue
+    echo "campaign: part $p NOT RUN: no checkout of the paper's code (--paper PATH, .paper/nanochat-snlp)" | tee -a "$LOG"
+    echo "{\"part\": \"$p\", \"rc\": null, \"seconds\": 0, \"not_run\": \"no checkout of the paper's code\"}" \
+        > "$OUT/parts/$p.status.json"
+  done
+fi
 if [ -n "$PAPER" ]; then
   # 1. snlp vs the paper's code, eager, the three 0.5B shapes, with the baseline ablations
   part vs_paper_eager $T_LONG $PY -m snlp bench --vs-paper "$PAPER" $Q --device $DEV --treatments eager \
       --out "$OUT/parts/vs_paper_eager"
-else
-  echo "campaign: no checkout of the paper's code (--paper PATH, .paper/nanochat-snlp): vs-paper parts skipped" | tee -a "$LOG"
 fi
 # 2. which attention kernel pays for a sliding window only (single layer, 24-branch stack)
 part attn $T_SHORT $PY scripts/attn_windows.py $ATTN --json "$OUT/parts/attn.json"

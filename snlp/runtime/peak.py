@@ -10,12 +10,13 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
     ("H100 NVL", 835.0),
     ("H100", 989.0),  # SXM (e.g. "NVIDIA H100 80GB HBM3")
     ("H200 NVL", 836.0),  # the PCIe card's lower clocks (datasheet 1,671 TFLOP/s with sparsity)
+    ("GH200", 989.0),  # before "H200", which its name contains
     ("H200", 989.0),  # SXM: the H100's compute with more memory
     ("H800", 989.0),
-    ("GH200", 989.0),
     ("A100", 312.0),
     ("A800", 312.0),
     ("L40S", 362.0),
+    ("L40", 181.0),  # before "L4", which "NVIDIA L40" contains (datasheet 362 TFLOP/s with sparsity)
     ("A10G", 70.0),
     ("L4", 121.0),
 )

@@ -54,6 +54,32 @@ def test_the_table_keeps_each_parts_failures_and_correctness(tmp_path):
     assert "Correctness" in out and "| every |" not in out
 
 
+def test_a_part_cut_short_while_writing_costs_its_section_only(tmp_path):
+    """A part's limit (timeout's SIGTERM / SIGKILL) can land while it writes its files: flex.json cut mid-way, or a
+    decode.md whose decode.json never came. The table is still written and printed last, with every part's status,
+    the other parts' sections, and the unreadable output named (it crashed with a traceback, and no table)."""
+    parts = tmp_path / "parts"
+    (parts / "flex").mkdir(parents=True)
+    (parts / "flex" / "flex.json").write_text('{"rows": [{"case": ')  # truncated
+    (parts / "decode").mkdir()
+    (parts / "decode" / "decode.md").write_text("# Decode\n")  # its .json not written yet
+    (parts / "attn.json").write_text(json.dumps({"device": "cpu", "T": 8, "window": 4, "rows": [
+        {"case": "c", "heads": 2, "formulation": "masked", "ms": 1.0, "max_abs_err": 0.0, "first_call_s": 0.1}]}))
+    for name, rc in (("flex", 124), ("decode", 137), ("attn", 0)):
+        (parts / f"{name}.status.json").write_text(json.dumps({"part": name, "rc": rc, "seconds": 9}))
+    (parts / "host.status.json").write_text('{"part": "host", "rc"')  # cut short too
+    out = subprocess.run(["python3", str(ROOT / "scripts" / "campaign_table.py"), str(tmp_path)], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    table = (tmp_path / "campaign.md").read_text()
+    assert out.stdout.rstrip().endswith(table.rstrip().splitlines()[-1])
+    assert "- part flex: rc 124 in 9 s (TIMED OUT)" in table and "- part attn: rc 0 in 9 s" in table
+    assert "Attention formulations" in table
+    assert "- flex: JSONDecodeError" in table and "- decode: FileNotFoundError" in table and "- host: " in table
+    merged = json.loads((tmp_path / "campaign.json").read_text())
+    assert set(merged["unreadable"]) == {"flex", "decode", "host"} and set(merged["parts"]) == {"attn"}
+
+
 def test_the_compiled_profile_table_shows_the_host_gap_and_graph_replays(tmp_path):
     """What settles where the compiled K = 1 plan's fixed cost goes (docs/records/2026-11-28-prefill-once.md) reaches
     the printed table: wall time, host gap and CUDA graph replays per call; profiles written before these fields
@@ -167,6 +193,11 @@ def test_quick_host_part_runs_and_reaches_the_table(tmp_path):
     (["--parts", "attn"], {"TRAIN_REGS": "none"}, "TRAIN_REGS sets the train part's variants"),
     (["--parts", "attn"], {"TRAINED_STEPS": "5"}, "TRAINED_STEPS sets decode_trained's training"),
     (["--parts", "decode_trained", "--decode-plans", "2xF1-h0-K1"], {}, "--decode-plans set the decode part"),
+    (["--parts", "attn", "--out"], {}, "--out needs a value"),
+    (["--parts", "decode", "--decode-prompts", "/none.json", "--paper", "/none/nanochat-snlp"], {},
+     "no nanochat/gpt.py there"),
+    (["--parts", "decode", "--decode-prompts", "/none.json", "--out", "/dev/null/c"], {},
+     "--out /dev/null/c: cannot write there"),
 ])
 def test_a_knob_the_call_would_ignore_is_refused_before_anything_runs(argv, env, says, tmp_path):
     """A part name, a LIMIT_ / DECODE_ / TRAIN_ knob or a --decode-* flag the call would not use (a typo, or a part it
@@ -178,6 +209,52 @@ def test_a_knob_the_call_would_ignore_is_refused_before_anything_runs(argv, env,
                          env={**base, **env}, cwd=ROOT)
     assert out.returncode == 2 and says in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert not (tmp_path / "c").exists()
+
+
+def test_without_the_papers_code_its_parts_are_named_not_run_and_the_others_still_run(tmp_path):
+    """A call whose parts need the paper's code (docs/gpu.md's call 3, --parts profile_compiled) on a machine it was
+    not carried to: each such part is named NOT RUN in the log and the table, the call's other parts still run and
+    the table is printed last. It printed "vs-paper parts skipped" and a table with no line for profile_compiled."""
+    repo = tmp_path / "repo"  # a clone with no .paper/ and no ../shared beside it
+    (repo / "scripts").mkdir(parents=True)
+    for f in ("gpu_campaign.sh", "campaign_table.py"):
+        (repo / "scripts" / f).write_text((ROOT / "scripts" / f).read_text())
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("LIMIT_", "DECODE_", "TRAIN_", "TRAINED_"))}
+    out = subprocess.run(["bash", str(repo / "scripts" / "gpu_campaign.sh"), "--quick", "--out", str(tmp_path / "c"),
+                          "--parts", "profile_compiled,vs_paper_eager,decode", "--decode-prompts", "/nonexistent.json"],
+                         capture_output=True, text=True, timeout=300, env={**base, "PYTHONPATH": str(ROOT)}, cwd=repo)
+    assert out.returncode == 0, out.stderr[-2000:]
+    table = (tmp_path / "c" / "campaign.md").read_text()
+    assert "- part profile_compiled: NOT RUN (no checkout of the paper's code)" in table
+    assert "- part vs_paper_eager: NOT RUN (no checkout of the paper's code)" in table
+    assert "- part decode: rc 2" in table  # it ran (and refused its missing prompts file)
+    assert "part profile_compiled NOT RUN" in out.stdout and out.stdout.rstrip().endswith(table.rstrip().splitlines()[-1])
+
+
+def test_a_failed_parts_error_line_reaches_the_printed_table(tmp_path):
+    """A device call returns the tail of its output, the table: a failed part's line there carries its last line of
+    output (docs/gpu.md's call 1 without runs/sr-idn carried: the missing prompts file), not only "rc 2"."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("LIMIT_", "DECODE_", "TRAIN_", "TRAINED_"))}
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_campaign.sh"), "--quick", "--out", str(tmp_path / "c"),
+                          "--parts", "decode", "--decode-prompts", str(tmp_path / 'no "such".json')],
+                         capture_output=True, text=True, timeout=300, env=base, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("- part decode:"))
+    assert line.startswith("- part decode: rc 2 in ") and line.endswith('no "such".json does not exist'), line
+    status = json.loads((tmp_path / "c" / "parts" / "decode.status.json").read_text())
+    assert status["rc"] == 2 and "does not exist" in status["last_line"]
+
+
+def test_the_parts_named_as_needing_the_paper_are_those_run_only_with_it():
+    """PAPER_PARTS (named NOT RUN without a checkout) is the set of parts inside the script's `if [ -n "$PAPER" ]`
+    blocks: a part moved in or out of them without the list would be skipped unnamed, or named and run."""
+    import re
+
+    text = (ROOT / "scripts" / "gpu_campaign.sh").read_text()
+    listed = re.search(r"^PAPER_PARTS=(\S+)", text, re.M).group(1).split(",")
+    blocks = re.findall(r'^if \[ -n "\$PAPER" \]; then\n(.*?)^fi$', text, re.M | re.S)
+    inside = {p for b in blocks for p in re.findall(r"^ *part ([a-z_]+)", b, re.M)}
+    assert blocks and sorted(listed) == sorted(inside)
 
 
 def test_the_campaigns_list_of_parts_is_every_part_it_runs():

@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 
 from snlp.method.plan import Plan
 from snlp.model.config import VE_GATE_CHANNELS
-from snlp.runtime.peak import peak_for_name
+from snlp.runtime.peak import PEAK_BF16_TFLOPS, peak_for_name
 from snlp.train.compiled import CompiledStep, check_compile
 from snlp.train.flops import mfu, step_flops
 from snlp.train.job import TrainStep
@@ -270,6 +270,16 @@ def test_mfu_arithmetic_and_peak_table():
     assert peak_for_name("NVIDIA A100-SXM4-80GB") == 312e12
     assert peak_for_name("NVIDIA H100 PCIe") == 756e12
     assert peak_for_name("Some Future GPU") is None
+
+
+def test_a_card_whose_name_holds_another_entrys_name_gets_its_own_peak():
+    """First match wins, so a name that contains a shorter entry's must come before it: "NVIDIA L40" contains "L4"
+    (its MFU was taken against the L4's 121 TFLOP/s, 1.5x too high), "NVIDIA GH200 480GB" contains "H200"."""
+    assert peak_for_name("NVIDIA L40") == 181e12 and peak_for_name("NVIDIA L40S") == 362e12
+    assert peak_for_name("NVIDIA L4") == 121e12
+    assert peak_for_name("NVIDIA GH200 480GB") == 989e12
+    for i, (key, _) in enumerate(PEAK_BF16_TFLOPS):  # every entry reachable: no earlier key is inside it
+        assert not any(k in key for k, _ in PEAK_BF16_TFLOPS[:i]), key
 
 
 # ----------------------------------------------------------------------------- snlp train --compile end to end
