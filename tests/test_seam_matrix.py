@@ -1601,7 +1601,8 @@ def part_models(draw):
     smear = draw(st.booleans())
     n_kv = draw(st.sampled_from([1, 2]))
     n_head = n_kv * draw(st.sampled_from([1, 2, 4]))
-    cfg = dict(vocab_size=50, n_layer=L, n_head=n_head, n_kv_head=n_kv, n_embd=32 if smear else draw(st.sampled_from([16, 32])),
+    cfg = dict(vocab_size=50, n_layer=L, n_head=n_head, n_kv_head=n_kv,
+               n_embd=32 if smear else draw(st.sampled_from([16, 32])),
                sequence_len=draw(st.sampled_from([8, 16, 64])), value_embeds=draw(st.booleans()), smear=smear,
                backout=draw(st.booleans()), softcap=draw(st.sampled_from([0.0, 2.0, 15.0])),
                rope_base=draw(st.sampled_from([7.0, 10000.0, 500000.0])), hc_streams=hc, hc_dynamic=draw(st.booleans()),
@@ -1706,7 +1707,8 @@ def test_model_parts_at_every_decoding_entry_equal_the_argmax_loop(data, entry, 
     note(f"entry {entry}, plan {plan}, config {cfg}")
     p = Plan.parse(plan, cfg.n_layer)
     # a causal plan on a model whose suffix has no window is refused (it would change nothing)
-    causal_refused = entry not in ("sequential", "sequential_batch", "jacobi") and p.causal and all(cfg.window(l) < 0 for l in range(cfg.n_layer - p.n_suffix, cfg.n_layer))
+    causal_refused = entry not in ("sequential", "sequential_batch", "jacobi") and p.causal and all(
+        cfg.window(l) < 0 for l in range(cfg.n_layer - p.n_suffix, cfg.n_layer))
     fn = m
     if entry in ("snlp", "snlp_batch", "jacobi_unverified") and not causal_refused:
         fn = plan_function(m, plan)
@@ -1754,3 +1756,17 @@ def test_model_parts_at_every_decoding_entry_equal_the_argmax_loop(data, entry, 
     want = argmax_loop(fn, prompt, budget, eos) if budget > 0 else []
     assert res.tokens == want, f"{entry} {plan}: {res.tokens} != reference {want}"
     check_stop_and_rounds(res, res.tokens, n, eos, max_len, prompt_len)
+
+
+def test_unverified_jacobi_prefills_the_prompt_with_the_model():
+    """jacobi_generate(verify=False) prefills the prompt with the model's own forward (its docstring): from
+    exact_iters() on an M = 1 plan decodes the model's argmax loop; an exact M = 2 plan decodes neither the model's
+    loop nor the fused model's (snlp_generate's, whose prefill is the plan's solve)."""
+    m = make_model(seed=1, vocab_size=50, n_layer=2, n_head=2, n_kv_head=2, window_pattern="L")
+    prompt, n = [7, 17], 8
+    model_loop = argmax_loop(m, prompt, n)
+    assert jacobi_generate(m, prompt, "2xF1-h0-K2", block=3, max_new_tokens=n, verify=False).tokens == model_loop
+    fused_loop = argmax_loop(lambda idx: fused_forward(m, idx, "1xF2-h0-K1"), prompt, n)
+    assert snlp_generate(m, prompt, "1xF2-h0-K1", n).tokens == fused_loop
+    got = jacobi_generate(m, prompt, "1xF2-h0-K1", block=3, max_new_tokens=n, verify=False).tokens
+    assert got != fused_loop and got != model_loop

@@ -40,7 +40,8 @@ def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, bloc
     check keeps the output exact and a diverged guess only costs speed). In both modes the prompt is prefilled by
     the model's own forward (its exact K/V), so unverified from plan.exact_iters() on the output is the model's
     greedy decoding for M = 1, but for M > 1 or a causal plan it is neither the model's nor the plan's own decoding
-    (snlp_generate's): the tokens the plan generates attend to the model's K/V of the prompt. `warm_start` (h0-JD, needs a plan): the first JD iteration of a round
+    (snlp_generate's): the tokens the plan generates attend to the model's K/V of the prompt.
+    `warm_start` (h0-JD, needs a plan): the first JD iteration of a round
     solves from the plan's init; later ones recompute the prefix state h_S of the new guesses but
     start the suffix chunk states from the previous JD iteration's final states (features of the old
     guesses); without it every iteration is a fresh SNLP solve (naive composition). Without a plan
