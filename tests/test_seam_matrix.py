@@ -1706,6 +1706,7 @@ def test_model_parts_at_every_decoding_entry_equal_the_argmax_loop(data, entry, 
     budget = n if max_len is None else min(n, max_len - prompt_len)
     note(f"entry {entry}, plan {plan}, config {cfg}")
     p = Plan.parse(plan, cfg.n_layer)
+    warm = entry.startswith("jacobi_") and data.draw(st.booleans())  # jacobi_generate(warm_start=...)
     # a causal plan on a model whose suffix has no window is refused (it would change nothing)
     causal_refused = entry not in ("sequential", "sequential_batch", "jacobi") and p.causal and all(
         cfg.window(l) < 0 for l in range(cfg.n_layer - p.n_suffix, cfg.n_layer))
@@ -1715,8 +1716,9 @@ def test_model_parts_at_every_decoding_entry_equal_the_argmax_loop(data, entry, 
         assume(fn is not None)  # no law but batch independence (test_decoding_cell_equals_its_reference_or_is_refused)
         # unverified Jacobi keeps what its last SNLP iteration reproduces, after a prompt prefilled by the model
         # itself: the model's loop where the plan is exact with M = 1 (for M > 1 or causal, neither the model's nor
-        # the plan's function: the prompt's K/V are the model's)
-        assume(entry != "jacobi_unverified" or fn is m)
+        # the plan's function: the prompt's K/V are the model's); a warm start replaces the fwd init by stale states,
+        # so there it is exact from the h0 init's count
+        assume(entry != "jacobi_unverified" or (fn is m and (not warm or p.iters >= p.with_(init="h0").exact_iters())))
     if entry == "drafter":
         assume(not cfg.hc_streams)  # drafters of mHC models are refused (test_decoding_cell_equals_its_reference_...)
     if entry in ("snlp_batch", "speculative_batch"):
@@ -1747,8 +1749,7 @@ def test_model_parts_at_every_decoding_entry_equal_the_argmax_loop(data, entry, 
         elif entry == "jacobi":
             res = jacobi_generate(m, prompt, None, block=block, **kw)
         else:
-            res = jacobi_generate(m, prompt, plan, block=block, verify=entry == "jacobi_plan",
-                                  warm_start=data.draw(st.booleans()), **kw)
+            res = jacobi_generate(m, prompt, plan, block=block, verify=entry == "jacobi_plan", warm_start=warm, **kw)
     except ValueError as e:
         assert causal_refused and "changes nothing" in str(e), f"{entry} {plan}: refused: {e}"
         return
@@ -1760,8 +1761,9 @@ def test_model_parts_at_every_decoding_entry_equal_the_argmax_loop(data, entry, 
 
 def test_unverified_jacobi_prefills_the_prompt_with_the_model():
     """jacobi_generate(verify=False) prefills the prompt with the model's own forward (its docstring): from
-    exact_iters() on an M = 1 plan decodes the model's argmax loop; an exact M = 2 plan decodes neither the model's
-    loop nor the fused model's (snlp_generate's, whose prefill is the plan's solve)."""
+    exact_iters() on an M = 1 plan decodes the model's argmax loop (with warm_start from the h0 init's count); an
+    exact M = 2 plan decodes neither the model's loop nor the fused model's (snlp_generate's, whose prefill is the
+    plan's solve)."""
     m = make_model(seed=1, vocab_size=50, n_layer=2, n_head=2, n_kv_head=2, window_pattern="L")
     prompt, n = [7, 17], 8
     model_loop = argmax_loop(m, prompt, n)
@@ -1770,3 +1772,9 @@ def test_unverified_jacobi_prefills_the_prompt_with_the_model():
     assert snlp_generate(m, prompt, "1xF2-h0-K1", n).tokens == fused_loop
     got = jacobi_generate(m, prompt, "1xF2-h0-K1", block=3, max_new_tokens=n, verify=False).tokens
     assert got != fused_loop and got != model_loop
+    # a warm start replaces the fwd init (chunk 0 exact from the start) by the previous JD iteration's states: exact
+    # from the h0 init's count C, not from exact_iters() = C - 1
+    for plan, exact in (("2xF1-fwd-K1", False), ("2xF1-fwd-K2", True), ("1xF1-fwd-K0", False), ("1xF1-fwd-K1", True)):
+        assert jacobi_generate(m, prompt, plan, block=3, max_new_tokens=n, verify=False).tokens == model_loop
+        warm = jacobi_generate(m, prompt, plan, block=3, max_new_tokens=n, verify=False, warm_start=True).tokens
+        assert (warm == model_loop) == exact, plan
