@@ -40,6 +40,13 @@ names the combination. A cell that is neither is a defect. The references are wr
   suffix's windows dropped)        same plan without the option: bind / parallel_forward bit for bit, SNLP decoding
                                    its argmax loop (K = 1 from h0, K >= C), evaluate its PPL; speculative, drafter=,
                                    jacobi: the model's loop; refused in one line where the suffix has no window
+  every model part x greedy        sequential, speculative (plan's forward, adaptive, a full / LoRA drafter with its
+  decoding (part_models: 1-5       own suffix), verified Jacobi: the argmax loop; snlp_generate: the argmax loop of the
+  layers, GQA 1-4, windows 0 to    model (fused model for M > 1) from exact_iters() on without tol, of parallel_forward
+  wide, VE, x0, smear, backout,    where the solve evaluates the suffix at most once (K = 1 from h0 with idn / none /
+  softcap 0 / > 0, rope bases,     hcn, K = 0), of the full-suffix copy for causal plans; unverified Jacobi, exact
+  tied embeddings, norm weights,   M = 1 plan: the argmax loop; prompts of 1-20 tokens, a ragged batch's row, max_len
+  mHC 1-3 streams, Llama parts)    ending the budget; GenerateResult.stop and round counters against the tokens
   compiled (compile=True,          the eager cell's reference (COMPILED: plan forward, sequential, SNLP and
   torch.compile(runner))           speculative decoding on static mHC, nanochat-snlp's parts, mixed widths)
   tokens with NaN embeddings       greedy speculative decoding (either drafter): the argmax loop of the model, raising
@@ -120,6 +127,7 @@ from snlp.decode.session import NonFiniteModelError
 from snlp.eval.protocol import EvalConfig
 from snlp.method.drafter import make_drafter
 from snlp.method.plan import Plan
+from snlp.method.surrogates import DiagN, Newton
 from snlp.method.preheat import CalibrateConfig, fit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -1518,7 +1526,8 @@ CAUSAL_PLANS = ("6xF1-h0-K1-causal", "3xF2-h0-K1-causal", "6xF1-h0-K6-causal", "
 
 def full_suffix_copy(m: GPT, n_suffix: int) -> GPT:
     cfg = m.config
-    wins = [cfg.window(l) if l < L - n_suffix else -1 for l in range(L)]
+    depth = cfg.n_layer
+    wins = [cfg.window(l) if l < depth - n_suffix else -1 for l in range(depth)]
     ref = GPT(GPTConfig(**{**cfg.to_dict(), "layer_windows": wins})).to(m.wte.weight.dtype)
     ref.load_state_dict(m.state_dict())
     return ref.eval()
@@ -1577,3 +1586,195 @@ def test_causal_plan_cells_equal_the_full_suffix_copy(plan, windows):
             logp = torch.log_softmax(ref(wins[:, :-1]).double(), -1)
         nll = -logp.gather(-1, wins[:, 1:, None]).mean()
         assert rec.ppl == pytest.approx(math.exp(float(nll)), rel=1e-6) and rec.ppl != seq_rec.ppl
+
+
+# ----------------------------------------------------------------------------- model parts x decoding entry points
+@st.composite
+def part_models(draw):
+    """A random fp64 model of 1-5 layers with any mix of the parts GPTConfig has: GQA ratios 1-4, windows per layer
+    (0, 1, 2, 3, 5, wider than every sequence, full) or a tiled pattern (short_window 0: sequence_len // 2), value
+    embeddings, x0 residual, smear, backout, softcap 0 or > 0, rope bases, tied embeddings, learned norm weights, mHC
+    with 1-3 streams (dynamic / static, sigmoid / softmax maps), the Llama-family switches (SwiGLU, q/k/v biases,
+    QK-norm kinds, no embedding norm, rotate-half RoPE, explicit head dim, linear RoPE scaling) and nanochat-snlp's
+    q/k scale and VE gate. Vocabulary 50, width 16 or 32 (the smear gate reads 24 channels)."""
+    L, hc = draw(st.integers(1, 5)), draw(st.sampled_from([0, 0, 0, 1, 2, 3]))
+    smear = draw(st.booleans())
+    n_kv = draw(st.sampled_from([1, 2]))
+    n_head = n_kv * draw(st.sampled_from([1, 2, 4]))
+    cfg = dict(vocab_size=50, n_layer=L, n_head=n_head, n_kv_head=n_kv,
+               n_embd=32 if smear else draw(st.sampled_from([16, 32])),
+               sequence_len=draw(st.sampled_from([8, 16, 64])), value_embeds=draw(st.booleans()), smear=smear,
+               backout=draw(st.booleans()), softcap=draw(st.sampled_from([0.0, 2.0, 15.0])),
+               rope_base=draw(st.sampled_from([7.0, 10000.0, 500000.0])), hc_streams=hc, hc_dynamic=draw(st.booleans()),
+               window_pattern=draw(st.sampled_from(["L", "SL", "S"])), short_window=draw(st.sampled_from([0, 1, 3])),
+               rope_bf16=draw(st.booleans()))
+    if draw(st.booleans()):
+        cfg["layer_windows"] = draw(st.lists(st.sampled_from([-1, 0, 1, 2, 3, 5, 100]), min_size=L, max_size=L))
+    if hc:
+        if draw(st.booleans()):
+            cfg.update(hc_maps="softmax", hc_sinkhorn_iters=draw(st.sampled_from([3, 10])),
+                       hc_sinkhorn_tau=draw(st.sampled_from([1.0, 0.05])))
+    else:
+        cfg.update(x0_residual=draw(st.booleans()), tie_embeddings=draw(st.booleans()),
+                   norm_weights=draw(st.booleans()))
+    if draw(st.booleans()):
+        cfg.update(mlp_act=draw(st.sampled_from(["relu2", "swiglu"])), qkv_bias=draw(st.booleans()),
+                   qk_norm=draw(st.sampled_from(["rope_norm", "weighted", "none"])), embed_norm=draw(st.booleans()),
+                   rope_rotate_half=draw(st.booleans()), attn_head_dim=draw(st.sampled_from([0, 0, 4, 12])),
+                   rope_scaling=draw(st.sampled_from([None, {"rope_type": "linear", "factor": 2.0}])))
+    if cfg.get("qk_norm", "rope_norm") == "rope_norm" and draw(st.booleans()):
+        cfg.update(qk_scale=1.2, ve_gate_channels=draw(st.sampled_from([4, 12, 32])), ve_gate_scale=3.0)
+    m = make_model(seed=draw(st.integers(0, 50)), **cfg)
+    if hc:  # H_res that really mix the streams
+        gen = torch.Generator().manual_seed(L + hc)
+        with torch.no_grad():
+            for block in m.blocks:
+                for h in (block.hc_attn, block.hc_mlp):
+                    h.bias[: hc * hc] = torch.randn(hc * hc, generator=gen, dtype=h.bias.dtype)
+    return m
+
+
+@st.composite
+def part_plans(draw, L: int, hc: int):
+    """A plan for an L-layer model: M = 1 or 2, any C that fits, h0 / fwd, K from 0 to 2C, every surrogate the model
+    takes, and order:reversed / elk / causal."""
+    M = draw(st.sampled_from([1, 2])) if L >= 2 else 1
+    C = draw(st.integers(1, L // M))
+    sur = draw(st.sampled_from(["", "-none", "-diag", "-newton"] + (["-hcn"] if hc else [])))
+    extra = draw(st.sampled_from(["", "", "-causal"] + ([] if sur == "-none" else ["-order:reversed", "-elk:0.3"])))
+    return f"{C}xF{M}-{draw(st.sampled_from(['h0', 'fwd']))}-K{draw(st.sampled_from([0, 1, 2, C, 2 * C]))}{sur}{extra}"
+
+
+def plan_function(m: GPT, plan: str):
+    """The logits function whose full-prefix argmax loop KV-cached SNLP decoding with `plan` claims to equal
+    (snlp_generate's docstring), or None where it claims none: from plan.exact_iters() on without tol, the model for
+    M = 1 and its fused model for M > 1; where the solve evaluates the suffix once (K = 1 from h0 with idn / none /
+    hcn, K = 0 from any init), the plan's own forward over the whole prefix. A causal plan: the same, on the copy of
+    the model whose suffix windows are full."""
+    p = Plan.parse(plan, m.config.n_layer)
+    if p.causal:
+        return plan_function(full_suffix_copy(m, p.n_suffix), str(p.with_(causal=False)))
+    if not p.tol and p.iters >= p.exact_iters():
+        return m if p.fuse == 1 else (lambda idx: fused_forward(m, idx, p))
+    once = (p.iters == 1 and p.init == "h0") or p.iters == 0
+    if once and p.order is None and p.surrogate.token in ("idn", "none", "hcn"):
+        return lambda idx: parallel_forward(m, idx, p)
+    return None
+
+
+def check_stop_and_rounds(res, got: list[int], n: int, eos, max_len: int | None, prompt_len: int) -> None:
+    """GenerateResult's stop and round counters against the tokens: stop "eos" where the last token is a stop id,
+    "max_len" where the cache ended the budget, else "max_new_tokens"; a drafting decoder's rounds each keep their
+    accepted drafts plus the verifier's token (none after an accepted stop id), drafted >= usable >= examined >=
+    accepted, at most one rejection per round."""
+    stops = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    want = "eos" if got and got[-1] in stops else "max_len" if max_len is not None and n > max_len - prompt_len \
+        else "max_new_tokens"
+    assert res.stop == want, (res.stop, want)
+    if res.mode in ("speculative", "jacobi"):
+        assert res.drafted >= res.usable >= res.examined >= res.accepted >= 0
+        assert res.examined - res.accepted <= res.rounds
+        ended_on_draft = bool(got) and got[-1] in stops and res.accepted + res.rounds == len(got) + 1
+        assert len(got) == res.accepted + res.rounds - ended_on_draft
+
+
+PART_ENTRIES = ("sequential", "sequential_batch", "snlp", "snlp_batch", "speculative", "speculative_batch", "adaptive",
+                "drafter", "jacobi", "jacobi_plan", "jacobi_unverified")
+
+
+@settings(max_examples=examples(60), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(data=st.data(), entry=st.sampled_from(PART_ENTRIES), prompt_len=st.sampled_from([1, 2, 3, 7, 12, 20]),
+       n=st.sampled_from([0, 1, 3, 8, 14]), seed=st.integers(0, 50),
+       eos=st.one_of(st.none(), st.integers(0, 49), st.lists(st.integers(0, 49), min_size=1, max_size=2)),
+       room=st.one_of(st.none(), st.integers(0, 4)), block=st.integers(1, 5))
+def test_model_parts_at_every_decoding_entry_equal_the_argmax_loop(data, entry, prompt_len, n, seed, eos, room, block):
+    """Every model part GPTConfig has (part_models), crossed with every greedy decoding entry (one prompt of 1 to 20
+    tokens, past the widest window, and ragged batches whose other row may be longer), plans of every shape the
+    model takes (part_plans), an EOS id or several, and a max_len that may end the budget before max_new_tokens (fp64):
+    sequential, speculative (the plan's forward, adaptive blocks, an adapted-style drafter whose suffix, full or
+    LoRA, differs from the model's) and verified Jacobi equal the model's full-prefix argmax loop; snlp_generate and
+    unverified Jacobi equal the argmax loop of the function their plan claims (plan_function; plans that claim none are
+    drawn again); every result's stop and round counters match its tokens."""
+    m = data.draw(part_models())
+    cfg = m.config
+    plan = data.draw(part_plans(cfg.n_layer, cfg.hc_streams))
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, 50, (prompt_len,), generator=gen).tolist()
+    other = torch.randint(0, 50, (int(torch.randint(1, 13, (1,), generator=gen)),), generator=gen).tolist()
+    max_len = None if room is None else max(prompt_len, len(other)) + room
+    budget = n if max_len is None else min(n, max_len - prompt_len)
+    note(f"entry {entry}, plan {plan}, config {cfg}")
+    p = Plan.parse(plan, cfg.n_layer)
+    warm = entry.startswith("jacobi_") and data.draw(st.booleans())  # jacobi_generate(warm_start=...)
+    # a causal plan on a model whose suffix has no window is refused (it would change nothing)
+    causal_refused = entry not in ("sequential", "sequential_batch", "jacobi") and p.causal and all(
+        cfg.window(l) < 0 for l in range(cfg.n_layer - p.n_suffix, cfg.n_layer))
+    fn = m
+    if entry in ("snlp", "snlp_batch", "jacobi_unverified") and not causal_refused:
+        fn = plan_function(m, plan)
+        assume(fn is not None)  # no law but batch independence (test_decoding_cell_equals_its_reference_or_is_refused)
+        # unverified Jacobi keeps what its last SNLP iteration reproduces, after a prompt prefilled by the model
+        # itself: the model's loop where the plan is exact with M = 1 (for M > 1 or causal, neither the model's nor
+        # the plan's function: the prompt's K/V are the model's); a warm start replaces the fwd init by stale states,
+        # so there it is exact from the h0 init's count
+        assume(entry != "jacobi_unverified" or (fn is m and (not warm or p.iters >= p.with_(init="h0").exact_iters())))
+    if entry == "drafter":
+        assume(not cfg.hc_streams)  # drafters of mHC models are refused (test_decoding_cell_equals_its_reference_...)
+    if entry in ("snlp_batch", "speculative_batch"):
+        assume(not isinstance(p.surrogate, (DiagN, Newton)))  # refused in a batch (the matrix's refusals)
+    kw = dict(max_new_tokens=n, eos_id=eos, max_len=max_len)
+    try:
+        if entry == "sequential":
+            res = sequential_generate(m, prompt, **kw)
+        elif entry == "sequential_batch":
+            res = sequential_generate(m, [other, prompt], **kw)[1]
+        elif entry == "snlp":
+            res = snlp_generate(m, prompt, plan, **kw)
+        elif entry == "snlp_batch":
+            res = snlp_generate(m, [other, prompt], plan, read_every=data.draw(st.sampled_from([None, 3])), **kw)[1]
+        elif entry in ("speculative", "adaptive"):
+            res = speculative_generate(m, prompt, plan, block=block, adaptive=entry == "adaptive",
+                                       min_confidence=data.draw(st.sampled_from([0.0, 0.5])), **kw)
+        elif entry == "speculative_batch":
+            res = speculative_generate(m, [other, prompt], plan, block=block, **kw)[1]
+        elif entry == "drafter":
+            # LoRA drafters cover bias-free linear layers only (refused with q/k/v biases)
+            d = make_drafter(m, plan, rank=0 if cfg.qkv_bias else data.draw(st.sampled_from([0, 2])))
+            with torch.no_grad():  # an adapted drafter: its own suffix, whatever it drafts the model verifies
+                g = torch.Generator().manual_seed(seed + 1)
+                for v in d.suffix_state().values():
+                    v.add_(torch.randn(v.shape, generator=g, dtype=v.dtype) * 0.2)
+            res = speculative_generate(m, prompt, plan, block=block, drafter=d, **kw)
+        elif entry == "jacobi":
+            res = jacobi_generate(m, prompt, None, block=block, **kw)
+        else:
+            res = jacobi_generate(m, prompt, plan, block=block, verify=entry == "jacobi_plan", warm_start=warm, **kw)
+    except ValueError as e:
+        assert causal_refused and "changes nothing" in str(e), f"{entry} {plan}: refused: {e}"
+        return
+    assert not causal_refused, f"{entry} {plan}: a causal plan whose suffix has no window ran"
+    want = argmax_loop(fn, prompt, budget, eos) if budget > 0 else []
+    assert res.tokens == want, f"{entry} {plan}: {res.tokens} != reference {want}"
+    check_stop_and_rounds(res, res.tokens, n, eos, max_len, prompt_len)
+
+
+def test_unverified_jacobi_prefills_the_prompt_with_the_model():
+    """jacobi_generate(verify=False) prefills the prompt with the model's own forward (its docstring): from
+    exact_iters() on an M = 1 plan decodes the model's argmax loop (with warm_start from the h0 init's count); an
+    exact M = 2 plan decodes neither the model's loop nor the fused model's (snlp_generate's, whose prefill is the
+    plan's solve)."""
+    m = make_model(seed=1, vocab_size=50, n_layer=2, n_head=2, n_kv_head=2, window_pattern="L")
+    prompt, n = [7, 17], 8
+    model_loop = argmax_loop(m, prompt, n)
+    assert jacobi_generate(m, prompt, "2xF1-h0-K2", block=3, max_new_tokens=n, verify=False).tokens == model_loop
+    fused_loop = argmax_loop(lambda idx: fused_forward(m, idx, "1xF2-h0-K1"), prompt, n)
+    assert snlp_generate(m, prompt, "1xF2-h0-K1", n).tokens == fused_loop
+    got = jacobi_generate(m, prompt, "1xF2-h0-K1", block=3, max_new_tokens=n, verify=False).tokens
+    assert got != fused_loop and got != model_loop
+    # a warm start replaces the fwd init (chunk 0 exact from the start) by the previous JD iteration's states: exact
+    # from the h0 init's count C, not from exact_iters() = C - 1
+    for plan, exact in (("2xF1-fwd-K1", False), ("2xF1-fwd-K2", True), ("1xF1-fwd-K0", False), ("1xF1-fwd-K1", True)):
+        assert jacobi_generate(m, prompt, plan, block=3, max_new_tokens=n, verify=False).tokens == model_loop
+        warm = jacobi_generate(m, prompt, plan, block=3, max_new_tokens=n, verify=False, warm_start=True).tokens
+        assert (warm == model_loop) == exact, plan

@@ -3,8 +3,8 @@
 Modes (all share one static KV cache, snlp.model.cache.KVCache, through snlp.decode.session):
   sequential   the model's own cached decoding, one token per forward.
   snlp         every forward is an SNLP solve with the cache (approximate unless K >= Plan.exact_iters(), the
-               chunk count in the forward order: then it is the fused model of the plan, the original model for
-               M = 1).
+               chunk count in the forward order, without tol: then it is the fused model of the plan, the original
+               model for M = 1).
   speculative  snlp.decode.speculative: the SNLP forward drafts, the sequential model verifies (exact).
   jacobi       snlp.decode.jacobi: Jacobi decoding over a block of future tokens.
 """
@@ -109,9 +109,10 @@ def snlp_generate(model: GPT, prompt_ids, plan: Plan | str, max_new_tokens: int 
                   repetition_penalty: float = 1.0) -> GenerateResult | list[GenerateResult]:
     """KV-cached decoding with every forward (prefill included) an SNLP solve. Suffix K/V in the
     cache are those of the last iteration's inputs; for K >= plan.exact_iters() (the chunk count in the forward
-    order, more in others: 11 for 6xF1-...-order:reversed) this is exactly the fused model of `plan` decoded
-    sequentially (the original model for M = 1). Where the solve evaluates the suffix once
-    (K = 1 from an h0 or preheat init, with the idn, none or hcn surrogate) it gives the tokens of the plan run over
+    order, more in others: 11 for 6xF1-...-order:reversed) without `tol` (which may stop a row's solve before) this
+    is exactly the fused model of `plan` decoded sequentially (the original model for M = 1). Where the solve
+    evaluates the suffix at most once (K = 1 from an h0 or preheat init, with the idn, none or hcn surrogate; K = 0
+    from any init) it gives the tokens of the plan run over
     the whole prefix at every step (the paper's AR loop, snlp.eval.protocol.recomputed_greedy); for
     1 < K < exact_iters(), a fwd init below it (its batched forward is one more evaluation) or the diag / newton
     surrogates at K = 1 (their Jacobian
