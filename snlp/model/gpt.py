@@ -334,6 +334,8 @@ class GPT(nn.Module):
         span = real = None
         if isinstance(pos, RowPositions):  # a ragged batched call: positions plus what the call knows of them
             pos, span, real = pos.pos, pos.span, pos.real
+        if cache is not None:
+            cache.check_model(self)
         if pos is not None:
             if cache is None:
                 raise ValueError("embed(pos=...) is the static-shape KV-cached step: pass the cache too")
