@@ -258,3 +258,13 @@ def test_a_meta_tensor_or_a_generator_prompt_is_refused_before_any_forward(model
         dec(model, torch.tensor([3, 1, 4]).to("meta"), max_new_tokens=3)
     with pytest.raises(ValueError, match=r"prompt must be a list of ids, .* got generator"):
         dec(model, (i for i in [3, 1, 4, 1]), max_new_tokens=3)
+
+
+def test_jacobi_without_a_plan_refuses_a_preheat_calibration_before_any_forward(model, monkeypatch):
+    """jacobi_generate(plan=None, preheat=...) decoded with the sequential model's forwards and dropped the
+    calibration without a word (with an h0 plan the same calibration is refused)."""
+    from snlp.method.preheat import CalibrateConfig, fit
+    pre = fit(model, CalibrateConfig(rank=2, batch=2, seq_len=8))
+    _no_forward(model, monkeypatch)
+    with pytest.raises(ValueError, match=r"preheat= is the calibration of a -preheat- plan; without a plan"):
+        jacobi_generate(model, [1, 2, 3], None, preheat=pre, max_new_tokens=3)
