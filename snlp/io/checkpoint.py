@@ -71,6 +71,10 @@ def save_checkpoint(path, model: torch.nn.Module, tokenizer: Tokenizer | None = 
     if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
         raise TypeError(f"tokenizer must be an snlp Tokenizer (a transformers tokenizer converts with "
                         f"snlp.Tokenizer.from_hf), got {type(tokenizer).__name__}")
+    if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:  # `load` refuses the pair
+        raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+                         f"{model.config.vocab_size}: its ids past the embedding have no row; save the model with its "
+                         f"own tokenizer")
     make_folders(path.parent)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     if tmp.exists():
