@@ -66,6 +66,9 @@ def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, bloc
         raise ValueError(f"max_iters must be an integer >= 1 (got {max_iters!r})")
     if warm_start and plan is None:
         raise ValueError("warm_start (h0-JD) warm-starts SNLP chunk states: it needs a plan")
+    if preheat is not None and plan is None:  # the sequential model's forwards read no calibration: it went unused
+        raise ValueError("preheat= is the calibration of a -preheat- plan; without a plan the Jacobi forwards are the "
+                         "sequential model's, which read none: drop preheat= or give a -preheat- plan")
     seq_fwd = sequential_forward(model)
     runner = None if plan is None else bind(model, plan, check_finite=False, preheat=preheat)
     jac_fwd = seq_fwd if plan is None else snlp_step(runner)

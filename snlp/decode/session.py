@@ -136,7 +136,14 @@ def prompt_ids_list(model: GPT, prompt_ids) -> list[int]:
     if isinstance(prompt_ids, (str, bytes)):
         raise ValueError(TEXT_PROMPT.format(prompt_ids[:40]))
     prompt_ids = as_ids_tensor(prompt_ids)
+    if not isinstance(prompt_ids, (list, tuple, range, Tensor)):
+        # read more than once (checked, then decoded): a generator or iterator was empty by the second read and
+        # reported as an empty prompt
+        raise ValueError(f"prompt must be a list of ids, a (T,) / (1, T) tensor or a numpy array, got "
+                         f"{type(prompt_ids).__name__}")
     if isinstance(prompt_ids, Tensor):
+        if prompt_ids.device.type == "meta":  # no values to read (torch's own error: "Cannot copy out of meta tensor")
+            raise ValueError("prompt token ids are a meta tensor, which holds no values: pass the ids themselves")
         if prompt_ids.dtype.is_floating_point or prompt_ids.dtype.is_complex or prompt_ids.dtype == torch.bool:
             raise ValueError(f"prompt token ids must have an integer dtype, got a tensor of {prompt_ids.dtype}")
         if prompt_ids.dim() == 2 and prompt_ids.shape[0] == 1:

@@ -59,7 +59,7 @@ from snlp.decode.generate import sequential_generate, snlp_generate
 from snlp.decode.session import check_seed, sampling
 from snlp.decode.speculative import speculative_generate
 from snlp.eval.mc import nonfinite
-from snlp.io.checkpoint import is_snlp_checkpoint, load, load_preheat
+from snlp.io.checkpoint import is_snlp_checkpoint, load, load_preheat, stored_dtype
 from snlp.io.nanochat import is_nanochat_dir
 from snlp.io.drafter import load_drafter
 from snlp.io.generation import config_repetition_penalty, integer_penalty, unapplied_defaults
@@ -230,8 +230,10 @@ class SNLPLM(TemplateLM):
             model, tok, ckpt = load_any(str(pretrained))
             tok, name = tokenizer or tok, Path(str(pretrained)).name
             self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-            # auto: the checkpoint's own dtype, as the hf model's dtype="auto" (load_any keeps the source's dtype)
-            torch_dtype = DTYPES[dtype] if dtype in DTYPES else model.wte.weight.dtype if dtype == "auto" else (
+            # auto: the checkpoint's own dtype, as the hf model's dtype="auto": what an snlp checkpoint stored (load
+            # gives float32 whatever it is), a converted source's own (from_hf keeps it)
+            own = stored_dtype(ckpt) if ckpt is not None else model.wte.weight.dtype
+            torch_dtype = DTYPES[dtype] if dtype in DTYPES else own if dtype == "auto" else (
                 torch.bfloat16 if self._device.type == "cuda" else torch.float32)
             model = cast_model(model, self._device, torch_dtype, self._source).eval()  # loaded here: ours to convert
         if tok is None:

@@ -340,8 +340,10 @@ def evaluate(model: GPT, val_tokens, plans, cfg: EvalConfig = EvalConfig(), toke
              preheat: Preheat | None = None, on_phase=None) -> list[EvalRecord]:
     """Evaluate the sequential model and each plan (str or Plan) on validation token ids
     `val_tokens` (1-D): one EvalRecord per row, plan "sequential" first, then the plans in order
-    (duplicates dropped; a string is a comma-separated list, as `--plans` reads it). EmbSim needs `tokenizer` (to
-    decode continuations) and the emb extra, else it is None. `preheat`: the calibration that plans with the
+    (a list's duplicates dropped; a string is a comma-separated list read as `--plans` reads it, snlp.parse_plans:
+    a plan named twice is refused, a K past the plan's exact count capped to it with a warning). EmbSim needs
+    `tokenizer` (to decode continuations) and the emb extra, else it is None. The model's train / eval mode is
+    restored on return (it runs in eval mode). `preheat`: the calibration that plans with the
     preheat init read (others ignore it). `on_phase(records, done)`, if given, is called with every row's record
     after each phase but the last: first with the teacher-forced columns (PPL, dPPL, Top-1, LogitSim), then with
     AR Match and EmbSim too, the speed columns None until the timing (one round-robin over every row) has run: what
@@ -357,7 +359,19 @@ def evaluate(model: GPT, val_tokens, plans, cfg: EvalConfig = EvalConfig(), toke
     plans = list(dict.fromkeys(Plan.parse(p, L) if isinstance(p, str) else p.check(L) for p in plans))
     device = next(model.parameters()).device
     val = as_tokens(val_tokens)  # (n,)
+    # the caller's model leaves as it came: a training loop that evaluates mid-run keeps its train mode
+    modes = [(mod, mod.training) for mod in model.modules()]
     model.eval()
+    try:
+        return _evaluate(model, val, plans, cfg, tokenizer, preheat, on_phase, device)
+    finally:
+        for mod, training in modes:
+            mod.training = training
+
+
+def _evaluate(model: GPT, val, plans: list[Plan], cfg: EvalConfig, tokenizer, preheat: Preheat | None, on_phase,
+              device) -> list[EvalRecord]:
+    L = model.config.n_layer
     wins = windows(val, cfg.seq_len, cfg.max_tokens)  # (W, T + 1)
     prompts = sample_prompts(val, cfg.prompts, cfg.prompt_len, cfg.seed)
     trained = model.config.sequence_len

@@ -71,6 +71,10 @@ def save_checkpoint(path, model: torch.nn.Module, tokenizer: Tokenizer | None = 
     if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
         raise TypeError(f"tokenizer must be an snlp Tokenizer (a transformers tokenizer converts with "
                         f"snlp.Tokenizer.from_hf), got {type(tokenizer).__name__}")
+    if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:  # `load` refuses the pair
+        raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+                         f"{model.config.vocab_size}: its ids past the embedding have no row; save the model with its "
+                         f"own tokenizer")
     make_folders(path.parent)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     if tmp.exists():
@@ -327,9 +331,21 @@ def checkpoint_vocab(path) -> int | None:
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
 
 
+def stored_dtype(path) -> torch.dtype:
+    """The dtype an snlp checkpoint's weights were saved in (its embedding's), read from the file's header without
+    loading them: `load` builds the model in float32 whatever it is."""
+    from safetensors import safe_open
+
+    wf = checkpoint_dir(path) / WEIGHTS
+    with safe_open(str(wf), "pt") as f:
+        name = f.get_slice("wte.weight").get_dtype()  # safetensors' name: F32, BF16, F16, F64
+    return {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[name]
+
+
 def load(path, device="cpu", overrides: dict | None = None, need_tokenizer: str | None = None
          ) -> tuple[GPT, Tokenizer | None]:
-    """Load a checkpoint directory -> (model in eval mode on `device`, tokenizer or None): an snlp checkpoint, or a
+    """Load a checkpoint directory -> (model in eval mode on `device`, in float32 whatever dtype its weights were
+    saved in (`stored_dtype`; cast it with model.to), tokenizer or None): an snlp checkpoint, or a
     nanochat / nanochat-snlp one (model_NNNNNN.pt + meta_NNNNNN.json, its last step; snlp.io.nanochat: fp32, no
     tokenizer; `overrides`, GPTConfig fields, pick the nanochat version where its files do not). Raises
     FileNotFoundError for missing files and ValueError for corrupt or mismatched ones, and for a `device` this

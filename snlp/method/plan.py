@@ -268,7 +268,10 @@ class Plan:
     @classmethod
     def parse(cls, text: str, n_layer: int | None = None) -> "Plan":
         """Parse a plan string (see GRAMMAR); with `n_layer`, also check it fits the model."""
-        if not isinstance(text, str) or not text.strip():
+        if not isinstance(text, str):  # 5 or None read as "empty plan string"
+            raise ValueError(f"a plan is a string (e.g. 12xF2-h0-K1) or a Plan, got {type(text).__name__} {text!r:.40}. "
+                             f"Grammar: {GRAMMAR}")
+        if not text.strip():
             raise ValueError(f"empty plan string. Grammar: {GRAMMAR}")
         _check_ascii(text)
         space = re.search(r"\s", text.strip())
@@ -449,6 +452,9 @@ def parse_plans(text: str, n_layer: int | None = None) -> list[Plan]:
     """Comma-separated plan list, e.g. '1xF12-h0-K1,12xF1-h0-K1', each read by `cli_plan` (K capped). A plan named
     twice (as written, or as two spellings of one canonical plan: 8xF1-K1 and 8xF1-h0-K1) is refused: every consumer
     keys its rows, runners or output files by the plan, so the second would silently replace or repeat the first."""
+    if not isinstance(text, str):  # a list failed with "'list' object has no attribute 'split'"
+        raise ValueError(f"parse_plans reads one comma-separated string (e.g. '12xF1-h0-K1,6xF2-h0-K1'), got "
+                         f"{type(text).__name__}: for a list, parse each with snlp.Plan.parse(p, n_layer)")
     plans, seen = [], {}
     for p in (x.strip() for x in text.split(",") if x.strip()):
         plan = cli_plan(p, n_layer)

@@ -178,7 +178,9 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
     of snlp.decode.steps: K/V go to those positions, the whole cache is attended under a mask and the cache does
     not advance (the caller owns its length), so one compiled graph serves every step. `preheat` is the
     calibration (snlp.method.preheat.Preheat) that plans with the `preheat` init start from; it is required
-    by them and refused by others (it would be silently unused). `hb`: with `prefix` and nanochat's backout
+    by them and refused by others (it would be silently unused). The solve checks only its shape (layers, width):
+    its weights fingerprint (a calibration of other weights of the same shape) is compared by `bind`, once, and by
+    `load_preheat` and the decoders, since hashing every weight per call would cost more than the solve. `hb`: with `prefix` and nanochat's backout
     (GPTConfig.backout) whose layer b lies in the prefix, that layer's output (`GPT.prefix_backout(trace, S)`).
     `probe_gen`: the generator DiagN's Rademacher probes are drawn from (on hS's device); None: one seeded 0 per call,
     so a solve is reproducible (evaluation). The DiagN regulariser passes a fresh one each step
@@ -255,12 +257,14 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
                        row_iters=row_iters)
 
 
-def parallel_forward(model: GPT, idx: Tensor, plan: Plan | str, check_finite: bool = True, cache=None) -> Tensor:
+def parallel_forward(model: GPT, idx: Tensor, plan: Plan | str, check_finite: bool = True, cache=None,
+                     preheat: Preheat | None = None) -> Tensor:
     """SNLP forward: token ids (B, T) -> logits (B, T, V). With a KV `cache`, an SNLP decode step
-    (see `solve`). Fuses the suffix weights on every call (always current); to run a plan many times,
-    `bind` it once."""
+    (see `solve`). `preheat`: the calibration a -preheat- plan starts from (as in `solve`: its shape is checked, its
+    weights fingerprint is not; `bind` checks that). Fuses the suffix weights on every call (always current); to run a
+    plan many times, `bind` it once."""
     check_gpt(model)  # before `model.head` is looked up
-    return model.head(solve(model, idx, plan, check_finite=check_finite, cache=cache).hidden)
+    return model.head(solve(model, idx, plan, check_finite=check_finite, cache=cache, preheat=preheat).hidden)
 
 
 _VERSION = operator.attrgetter("_version")

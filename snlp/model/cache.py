@@ -122,6 +122,29 @@ class KVCache:
             raise ValueError(f"KV cache overflow: {self.length} cached + {T} new tokens > max_len {self.max_len}; "
                              f"allocate a longer cache (KVCache.for_model(..., max_len=...))")
 
+    def check_model(self, model) -> None:
+        """Raise a ValueError unless this cache's K/V fit `model`: its layers (a window cache, snlp.dist, holds a run
+        of them from `first`), KV heads, head dim, dtype and device. A cache of another model failed deep inside the
+        attention (a reshape or dtype error naming neither), or, with more layers or more KV heads than the model
+        has, ran on: the extra slots unused, the writes broadcast over the extra heads."""
+        cfg, w = model.config, model.wte.weight
+        first = getattr(self, "first", None)
+        layers = self.k.shape[0]
+        problems = []
+        if (layers != cfg.n_layer) if first is None else (first + layers > cfg.n_layer):
+            problems.append(f"{layers} layers" + ("" if first is None else f" from layer {first}")
+                            + f" (the model has {cfg.n_layer})")
+        if self.k.shape[2] != cfg.n_kv_head or self.k.shape[4] != cfg.head_dim:
+            problems.append(f"{self.k.shape[2]} KV heads of dim {self.k.shape[4]} (the model: {cfg.n_kv_head} of dim "
+                            f"{cfg.head_dim})")
+        if self.k.dtype != w.dtype:
+            problems.append(f"dtype {self.k.dtype} (the model: {w.dtype})")
+        if self.k.device != w.device and w.device.type != "meta":
+            problems.append(f"device {self.k.device} (the model: {w.device})")
+        if problems:
+            raise ValueError(f"KV cache of another model: {'; '.join(problems)}; allocate one with "
+                             f"KVCache.for_model(model, ...)")
+
     def write(self, layers: int | slice, k: Tensor, v: Tensor, start: int | Tensor) -> tuple[Tensor, Tensor]:
         """Store new K/V (layers..., B, Hkv, T, hd) at positions start..start+T-1 of the given layer
         slot(s); return views of positions 0..start+T-1 to attend over. With `start` a (T,) positions

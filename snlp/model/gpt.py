@@ -306,6 +306,19 @@ class GPT(nn.Module):
             if lo < 0 or hi >= self.config.vocab_size:
                 raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got range [{lo}, {hi}]")
 
+    def check_targets(self, targets, idx) -> Tensor:
+        """Next-token targets for `forward`'s loss: an integer tensor of idx's shape (B, T) (-1: ignored), as long. The
+        loss flattens both, so targets of another shape with as many elements (a transposed (T, B)) gave the CE of
+        misaligned pairs without a word; int32 ones, which the ids may be, failed inside cross_entropy."""
+        if not isinstance(targets, Tensor) or targets.dtype.is_floating_point or targets.dtype.is_complex \
+                or targets.dtype == torch.bool:
+            what = type(targets).__name__ if not isinstance(targets, Tensor) else f"a tensor of {targets.dtype}"
+            raise ValueError(f"targets must be an integer tensor of the ids' shape (B, T), got {what}")
+        if isinstance(idx, Tensor) and targets.shape != idx.shape:
+            raise ValueError(f"targets must have the ids' shape {tuple(idx.shape)} (the next token of each position, "
+                             f"-1 where ignored), got {tuple(targets.shape)}")
+        return targets.long()
+
     def rotary(self, T: int, start: int | Tensor = 0) -> tuple[Tensor, Tensor]:
         """RoPE tables for positions start..start+T-1 (or the (T,) positions tensor `start`), (T, 1, hd/2);
         for a (B, T) positions tensor (ragged batches) per row, (B, T, 1, hd/2)."""
@@ -334,6 +347,8 @@ class GPT(nn.Module):
         span = real = None
         if isinstance(pos, RowPositions):  # a ragged batched call: positions plus what the call knows of them
             pos, span, real = pos.pos, pos.span, pos.real
+        if cache is not None:
+            cache.check_model(self)
         if pos is not None:
             if cache is None:
                 raise ValueError("embed(pos=...) is the static-shape KV-cached step: pass the cache too")
@@ -483,6 +498,8 @@ class GPT(nn.Module):
         if keep is not None and targets is not None:
             raise ValueError(f"keep={keep!r} gives logits, targets a loss: pass one of them")
         check_keep(keep, idx)
+        if targets is not None:
+            targets = self.check_targets(targets, idx)
         ctx = self.embed(idx, cache, pos)
         logits = self.head(self.run_layers(ctx.x0, ctx, 0, self.config.n_layer), keep)
         if cache is not None and pos is None:

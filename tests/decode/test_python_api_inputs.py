@@ -245,3 +245,26 @@ def test_a_prompt_of_the_wrong_shape_is_told_what_a_prompt_and_a_batch_are(model
             assert "not supported" not in str(e.value) and f"got shape {tuple(bad.shape)}" in str(e.value), name
         with pytest.raises(ValueError, match=r"^prompt 1 of the batch: prompt must contain at least one token"):
             decode(model, [[1, 2], [], [3]], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("name", [*DECODERS, "jacobi"])
+def test_a_meta_tensor_or_a_generator_prompt_is_refused_before_any_forward(model, monkeypatch, name):
+    """A meta tensor holds no ids: torch's "Cannot copy out of meta tensor; no data!" came from inside the checks. A
+    generator was read once by the argument checks and again by the session, so it was reported as an empty prompt
+    ("must contain at least one token") though it held four."""
+    _no_forward(model, monkeypatch)
+    dec = DECODERS.get(name, lambda m, p, **kw: jacobi_generate(m, p, PLAN, block=3, **kw))
+    with pytest.raises(ValueError, match=r"prompt token ids are a meta tensor, which holds no values"):
+        dec(model, torch.tensor([3, 1, 4]).to("meta"), max_new_tokens=3)
+    with pytest.raises(ValueError, match=r"prompt must be a list of ids, .* got generator"):
+        dec(model, (i for i in [3, 1, 4, 1]), max_new_tokens=3)
+
+
+def test_jacobi_without_a_plan_refuses_a_preheat_calibration_before_any_forward(model, monkeypatch):
+    """jacobi_generate(plan=None, preheat=...) decoded with the sequential model's forwards and dropped the
+    calibration without a word (with an h0 plan the same calibration is refused)."""
+    from snlp.method.preheat import CalibrateConfig, fit
+    pre = fit(model, CalibrateConfig(rank=2, batch=2, seq_len=8))
+    _no_forward(model, monkeypatch)
+    with pytest.raises(ValueError, match=r"preheat= is the calibration of a -preheat- plan; without a plan"):
+        jacobi_generate(model, [1, 2, 3], None, preheat=pre, max_new_tokens=3)

@@ -482,6 +482,21 @@ def test_dtype_auto_is_the_checkpoints_own_as_the_hf_model(tmp_path):
     assert SNLPLM(pretrained=str(d)).model.wte.weight.dtype == torch.float32  # no dtype: snlp's CPU default
 
 
+def test_dtype_auto_on_an_snlp_checkpoint_is_the_dtype_it_was_saved_in(tmp_path):
+    """snlp.load builds every checkpoint in float32, and dtype=auto read the loaded model's dtype: an snlp checkpoint
+    saved in bfloat16 was scored in float32, not in "the checkpoint's own dtype" (docs/harness.md)."""
+    import snlp
+    from snlp.io.checkpoint import stored_dtype
+
+    d = _tiny_dir(tmp_path / "m")
+    transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.bfloat16).save_pretrained(d)
+    model, tok = snlp.from_hf(str(d))
+    ckpt = snlp.save_checkpoint(tmp_path / "c", model, tokenizer=tok)
+    assert stored_dtype(ckpt) == torch.bfloat16 and snlp.load(ckpt)[0].wte.weight.dtype == torch.float32
+    assert SNLPLM(pretrained=str(ckpt), dtype="auto").model.wte.weight.dtype == torch.bfloat16
+    assert SNLPLM(pretrained=str(ckpt)).model.wte.weight.dtype == torch.float32  # no dtype: snlp's CPU default
+
+
 def test_a_sampling_only_setting_is_refused_before_the_tasks_of_a_sampled_run(tmp_path, tasks, monkeypatch):
     """A generation config whose setting transformers applies only when sampling (min_p: the hf model filters a
     sampled task's draws with it) and a task list with a sampled generate_until task behind a multiple-choice one:

@@ -121,7 +121,8 @@ def test_errors(tok, tmp_path):
     (path / "train_state.pt").write_bytes(b"\x80\x02junk")
     with pytest.raises(ValueError, match="train_state.pt"):
         load_training(path)
-    save_checkpoint(tmp_path / "big", GPT(GPTConfig.from_depth(2, head_dim=8, width=16, vocab_size=261)), tok)
+    big = save_checkpoint(tmp_path / "big", GPT(GPTConfig.from_depth(2, head_dim=8, width=16, vocab_size=261)))
+    tok.save(big)  # another model's tokenizer put beside it (save_checkpoint refuses the pair itself)
     with pytest.raises(ValueError, match="tokenizer belongs to another model"):
         load(tmp_path / "big")
 
@@ -187,6 +188,16 @@ def test_save_checkpoint_refuses_what_is_no_snlp_model_or_tokenizer_and_leaves_n
     with pytest.raises(Exception):
         save_checkpoint(tmp_path / "ck", tiny(), tok, train_state={"f": lambda: 0})
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_save_checkpoint_refuses_a_tokenizer_larger_than_the_models_vocabulary(tok, tmp_path):
+    """A model of 100 ids saved with a 300-token tokenizer was written without a word, and `load` refused the
+    checkpoint afterwards ("the tokenizer belongs to another model"): the save now refuses, and writes nothing."""
+    small = GPT(GPTConfig.from_depth(2, head_dim=8, width=16, vocab_size=100, sequence_len=16))
+    with pytest.raises(ValueError, match="tokenizer has 300 tokens but the model's vocab_size is 100"):
+        save_checkpoint(tmp_path / "ck", small, tok)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    load(save_checkpoint(tmp_path / "ok", tiny(), tok))  # the model's own vocabulary: saved and loaded
 
 
 def test_decode_can_mark_ids_without_a_token_and_keep_the_rest(tok):

@@ -125,3 +125,17 @@ def test_whitespace_underscores_and_a_bare_K_are_named(text, says):
         with pytest.raises(ValueError, match=says) as e:
             parse(text)
         assert "\n" not in str(e.value) and "Grammar:" in str(e.value)
+
+
+@pytest.mark.parametrize("text", [5, None, 1.5])
+def test_a_plan_that_is_not_a_string_is_named_as_such(text):
+    """Plan.parse(5) said "empty plan string"."""
+    with pytest.raises(ValueError, match=r"a plan is a string \(e\.g\. 12xF2-h0-K1\) or a Plan, got"):
+        Plan.parse(text)
+
+
+def test_parse_plans_of_a_list_says_it_reads_one_string():
+    """parse_plans(["4xF1", "2xF2"]) failed with "'list' object has no attribute 'split'"."""
+    with pytest.raises(ValueError, match=r"parse_plans reads one comma-separated string .* got list"):
+        parse_plans(["4xF1", "2xF2"], 8)
+    assert [str(p) for p in parse_plans("4xF1,2xF2", 8)] == ["4xF1-h0-K1", "2xF2-h0-K1"]

@@ -64,6 +64,18 @@ def test_preheat_plans_need_a_calibration_and_others_refuse_one(model):
         bind(model, "4xF1-h0-K1", preheat=_fit(model))
 
 
+def test_parallel_forward_takes_the_calibration_its_refusal_asks_for(model):
+    """parallel_forward refused a -preheat- plan with "pass its calibration (preheat=...)" but took no preheat=
+    (a TypeError when the caller did as told); it now passes it to the solve, giving bind's logits."""
+    idx, pre = tokens(model, T=7), _fit(model)
+    with torch.no_grad():
+        got = parallel_forward(model, idx, "4xF1-preheat-K1", preheat=pre)
+        torch.testing.assert_close(got, bind(model, "4xF1-preheat-K1", preheat=pre)(idx), rtol=0, atol=0)
+        assert (got - model(idx)).abs().max() > 1e-6  # K = 1 from the preheat init: not the sequential model
+    with pytest.raises(ValueError, match="does not read it"):
+        parallel_forward(model, idx, "4xF1-h0-K1", preheat=pre)
+
+
 def test_calibration_file_roundtrips_with_its_fingerprint(tmp_path, model):
     pre = preheat.fit(model, preheat.CalibrateConfig(rank=3, batch=2, seq_len=8), tokens=torch.arange(40) % 61)
     assert pre.source == "data" and pre.rank == 3 and pre.fingerprint

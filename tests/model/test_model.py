@@ -54,6 +54,20 @@ def test_forward_shapes_loss_and_softcap():
     assert not torch.isclose(model(idx, targets=masked), loss)
 
 
+def test_the_loss_reads_targets_of_the_ids_shape_only():
+    """forward(idx, targets) flattens both: targets (T, B) of a (B, T) batch (as many elements) gave the CE of
+    misaligned pairs without a word, and int32 targets (ids may be int32) failed inside cross_entropy. Now: int32
+    gives the long targets' loss, another shape or a float tensor is one ValueError."""
+    model = make_model()
+    idx = tokens(model, B=2, T=6)
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+        assert model(idx, targets=idx.int()) == want == model(idx, targets=idx)
+        for bad in (idx.t(), idx[:, 1:], idx.double()):
+            with pytest.raises(ValueError, match=r"targets must (have the ids' shape \(2, 6\)|be an integer tensor)"):
+                model(idx, targets=bad)
+
+
 def test_fresh_init_blocks_are_identities_and_scalars_like_nanochat():
     model = GPT(GPTConfig(vocab_size=50, n_layer=3, n_head=2, n_embd=16))
     idx = torch.randint(0, 50, (1, 5))
