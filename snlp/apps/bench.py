@@ -473,7 +473,8 @@ def run(args) -> int:
     if args.tokens < 1 or args.batch < 1 or args.runs < 1 or args.warmup < 0:
         raise ValueError("--tokens, --batch and --runs must be >= 1 and --warmup >= 0")
     written = check_plans_grammar(args.plans)  # before the model is built (checked against its depth below)
-    check_plans_fit(args.ckpt, written)  # a checkpoint's depth is in its config: before its weights load
+    # a checkpoint's depth is in its config: before its weights load; a forward's sequences hold --tokens tokens
+    check_plans_fit(args.ckpt, written, longest=None if args.decode else args.tokens)
     if args.decode and args.batch_sizes is not None:  # before the model is built: the sizes, and the plans at them
         from snlp.bench.decode import check_batch_plans
 
@@ -783,7 +784,7 @@ def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
 def run_decode_suite_cli(args, command: str) -> int:
     """--suite decode: the decode suite on one model, or (--shapes) the random-weights prediction at paper shapes."""
     from snlp.apps.common import check_plans_fit
-    from snlp.bench.decode_suite import DecodeSuiteConfig, markdown, progress_line, run_decode_suite
+    from snlp.bench.decode_suite import DecodeSuiteConfig, markdown, progress_line, run_decode_suite, suite_source
     from snlp.bench.ssd_prediction import paper_shape_prediction, prediction_markdown
     from snlp.bench.records import write_csv, write_json
     from snlp.runtime.device import write_atomic
@@ -843,7 +844,8 @@ def run_decode_suite_cli(args, command: str) -> int:
     from snlp.apps.generation_defaults import check_penalty_flag
 
     check_penalty_flag(args.repetition_penalty)  # in the flag's words (the suite's own check names its field)
-    check_plans_fit(args.ckpt, plans or ())  # --suite-plans against the checkpoint's depth, before its weights load
+    # --suite-plans against the model's config (a transformers folder's, a GGUF header's too), before its weights load
+    check_plans_fit(suite_source(args.ckpt), plans or (), transformers_ok=True)
     methods = None if args.suite_methods is None else split(args.suite_methods) or ()
     hf_only = [f for f, used in (("--early-exit", args.early_exit is not None),
                                  ("--prompt-lookup", args.prompt_lookup is not None)) if used]
