@@ -373,6 +373,20 @@ def test_harness_model_args_are_checked_before_the_model_loads(tmp_path, kw, say
         SNLPLM(pretrained=str(tmp_path / "no-such-ckpt"), **kw)
 
 
+@pytest.mark.parametrize("kw,says", [(dict(block=2.5), "block (the speculative draft length) must be an integer"),
+                                     (dict(block=True), "block (the speculative draft length) must be an integer"),
+                                     (dict(max_length=8.5), "max_length must be an integer, got 8.5"),
+                                     (dict(batch_size=2.5), "batch_size must be an integer, got 2.5"),
+                                     (dict(batch_size="2.5"), "batch_size must be an integer, got '2.5'"),
+                                     (dict(max_batch_size=3.5), "max_batch_size must be an integer, got 3.5"),
+                                     (dict(max_batch_size=0), "max_batch_size must be >= 1, got 0")])
+def test_numeric_harness_model_args_are_integers_never_truncated(tmp_path, kw, says):
+    """block=2.5 (model_args types "2.5" as a float) was int()-truncated to 2, max_length / batch_size alike, and
+    model_args then recorded a value nobody gave; each is refused in one line before the model loads, as seed= is."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        SNLPLM(pretrained=str(tmp_path / "no-such-ckpt"), **kw)
+
+
 def test_a_model_without_tokenizer_is_named_in_one_line(tmp_path):
     """`snlp eval HF_DIR --harness ...` on a transformers directory without tokenizer.json printed the whole model's
     repr (hundreds of lines, the GPT object) before ": no tokenizer". The message names the source, in one line."""
