@@ -509,7 +509,9 @@ def test_generate_json_records_the_penalty_that_ran_and_its_source(hf_dir, tmp_p
             assert main(["generate", str(tmp_path / ck), *where, "--max-new-tokens", "6", "--quiet", "--json",
                          str(out), *flags]) == 0
             rec = json.loads(out.read_text())
-            assert (rec["repetition_penalty"], rec["repetition_penalty_source"]) == want, (ck, flags, where)
+            sampling = rec["sampling"]  # the one place the penalty and its source are recorded
+            assert (sampling["repetition_penalty"], sampling["repetition_penalty_source"]) == want, (ck, flags, where)
+            assert "repetition_penalty" not in rec and "repetition_penalty_source" not in rec
             if ck == "ck" and where[0] == "--prompt":
                 ref = sequential_generate(model, tok.prompt_ids("t3 t7"), 6, eos_id=list(tok.stop_ids),
                                           repetition_penalty=want[0]).tokens
