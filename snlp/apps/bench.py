@@ -480,7 +480,7 @@ def run(args) -> int:
 
         check_batch_plans(written, batch_sizes(args), hint="--batch-sizes 1 runs it")
     if args.decode:  # the penalty every decode applies, before the model is built (a bad one refused here)
-        args.repetition_penalty = bench_penalty(args)
+        args.repetition_penalty, args.repetition_penalty_source = bench_penalty(args)
     device = cli_device(args.device)
     set_threads(args.threads)  # --threads (decode group) applies to the teacher-forced benchmark too
     model = build_model(model_spec(args))
@@ -602,19 +602,25 @@ def run_batch_decode(args, model: GPT, plans: list[Plan], blocks: tuple[int, ...
         print(tie_footnote(args.runs, "speedup over batched sequential", "this row's tok/s over batched sequential's in the same run, "
                            "one run of each per round at that batch size"))
     load.say()
-    write_records(rows, args.json, args.csv, load=load.to_json())
+    write_records(rows, args.json, args.csv, load=load.to_json(), extra=penalty_source(args))
     return 0
 
 
-def bench_penalty(args) -> float:
-    """The repetition penalty `snlp bench --decode` decodes with: --repetition-penalty (checked in the flag's
-    words), else a converted --ckpt's generation_config value (as `snlp generate` applies it), else 1 (none)."""
-    from snlp.apps.generation_defaults import check_penalty_flag, resolve_penalty
+def bench_penalty(args) -> tuple[float, str]:
+    """The repetition penalty `snlp bench --decode` decodes with, and its source as `snlp generate --json` records
+    it (flag, generation_config or default): --repetition-penalty (checked in the flag's words), else a converted
+    --ckpt's generation_config value (as `snlp generate` applies it), else 1 (none)."""
+    from snlp.apps.generation_defaults import check_penalty_flag, penalty_and_source
     from snlp.io.checkpoint import checkpoint_tokenizer
 
     check_penalty_flag(args.repetition_penalty)
     tok = checkpoint_tokenizer(args.ckpt) if args.ckpt and args.repetition_penalty is None else None
-    return resolve_penalty(args, tok)
+    return penalty_and_source(args, tok)
+
+
+def penalty_source(args) -> dict:
+    """Every decode row's record of where its repetition_penalty came from (bench_penalty), as generate's --json."""
+    return {"repetition_penalty_source": args.repetition_penalty_source}
 
 
 def penalty_label(p: float) -> str:
@@ -659,7 +665,7 @@ def run_decode(args, model: GPT, plans: list[Plan], device: torch.device, dtype:
           + (f"; compile time (not in any timing): {sum(r.compile_s for r in rows if r.mode != 'speculative'):.1f} s"
              f"; host syncs per compiled step: {max(r.host_syncs for r in rows):g}" if args.compile else ""))
     load.say()
-    write_records(rows, args.json, args.csv, load=load.to_json())
+    write_records(rows, args.json, args.csv, load=load.to_json(), extra=penalty_source(args))
     return 0
 
 
