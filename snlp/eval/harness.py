@@ -80,11 +80,15 @@ GEN_KEYS = {"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p
 GEN_NOOPS = {"num_beams": (1,), "num_return_sequences": (1,), "num_beam_groups": (1,), "diversity_penalty": (0.0,),
              "top_p": (1.0, None), "top_k": (0, None), "min_p": (0.0, None), "typical_p": (1.0, None),
              "epsilon_cutoff": (0.0, None), "eta_cutoff": (0.0, None), "encoder_repetition_penalty": (1.0, None),
-             "no_repeat_ngram_size": (0, None), "use_cache": (True, False)}
+             "no_repeat_ngram_size": (0, None), "use_cache": (True, False),
+             # unset (None) or off: transformers' generate() stays greedy / sampling (GenerationConfig.get_generation_mode)
+             "penalty_alpha": (0.0, None), "dola_layers": (None,), "force_words_ids": (None,), "constraints": (None,)}
 BEAM_ONLY = {"length_penalty", "early_stopping"}  # act only with num_beams > 1 (refused): any value is a no-op
 # filters of the distribution sampling draws from: greedy decoding draws nothing, so any value is a no-op there
 # (transformers' greedy generate ignores them too); under sampling only their no-op values above are accepted
 SAMPLING_ONLY = {"top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff"}
+# contrastive search's degeneration penalty: do_sample makes generate() sample, whatever penalty_alpha says
+GREEDY_ONLY = {"penalty_alpha"}
 # transformers.GenerationConfig's own top_k / top_p, what a sampled generate() filters with where neither the call nor
 # the model's generation config sets them
 TRANSFORMERS_SAMPLING_DEFAULTS = {"top_k": 50, "top_p": 1.0}
@@ -95,7 +99,8 @@ def refused_gen_kwargs(kw: dict, greedy: bool) -> list[str]:
     """The generation options of normalized kwargs `kw` that would change the answer and that snlp's decoders do not
     implement (beam search, min-p / typical sampling, n-gram bans, ...): those the caller must not lose."""
     return sorted(k for k in set(kw) - GEN_KEYS if not (
-        k in BEAM_ONLY or greedy and k in SAMPLING_ONLY or k in GEN_NOOPS and kw[k] in GEN_NOOPS[k]))
+        k in BEAM_ONLY or greedy and k in SAMPLING_ONLY or not greedy and k in GREEDY_ONLY
+        or k in GEN_NOOPS and kw[k] in GEN_NOOPS[k]))
 
 
 def load_any(pretrained: str, need_tokenizer: str | None = None) -> tuple[GPT, Tokenizer | None, Path | None]:

@@ -746,3 +746,19 @@ def test_generation_stops_decoding_at_a_stop_string(base, monkeypatch, kw):
     assert got == [f.split(s)[0] for f, s in zip(free, stops)]
     lengths = [len(t) for t in decoded[1]]
     assert max(lengths) <= 15, lengths  # 11 ASCII characters are at most 11 tokens, plus a round of 3 drafts
+
+
+@pytest.mark.parametrize("kw,greedy,refused", [
+    ({"penalty_alpha": 0.6}, True, ["penalty_alpha"]),  # contrastive search (top_k defaults to 50 > 1)
+    ({"penalty_alpha": 0.6, "temperature": 1.0}, False, []),  # do_sample: generate() samples, penalty_alpha unread
+    ({"penalty_alpha": 0.0}, True, []), ({"penalty_alpha": None}, True, []),  # off / unset: greedy
+    ({"dola_layers": "high"}, True, ["dola_layers"]), ({"dola_layers": None}, True, []),
+    ({"force_words_ids": [[5]]}, False, ["force_words_ids"]), ({"constraints": None}, True, []),
+    ({"num_beams": 4}, True, ["num_beams"])])
+def test_generation_modes_the_harness_model_cannot_run_are_refused_and_their_off_values_accepted(kw, greedy, refused):
+    """A task's penalty_alpha=0 / dola_layers=None (transformers' generate() stays greedy) was refused as an unknown
+    option, and penalty_alpha under do_sample (generate() samples, ignoring it) too; set values that change the mode
+    (contrastive search, DoLa, constrained beams, beams) stay refused."""
+    from snlp.eval.harness import refused_gen_kwargs
+
+    assert refused_gen_kwargs(kw, greedy) == refused
