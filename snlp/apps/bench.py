@@ -473,13 +473,14 @@ def run(args) -> int:
     if args.tokens < 1 or args.batch < 1 or args.runs < 1 or args.warmup < 0:
         raise ValueError("--tokens, --batch and --runs must be >= 1 and --warmup >= 0")
     written = check_plans_grammar(args.plans)  # before the model is built (checked against its depth below)
-    check_plans_fit(args.ckpt, written)  # a checkpoint's depth is in its config: before its weights load
+    # a checkpoint's depth is in its config: before its weights load; a forward's sequences hold --tokens tokens
+    check_plans_fit(args.ckpt, written, longest=None if args.decode else args.tokens)
     if args.decode and args.batch_sizes is not None:  # before the model is built: the sizes, and the plans at them
         from snlp.bench.decode import check_batch_plans
 
         check_batch_plans(written, batch_sizes(args), hint="--batch-sizes 1 runs it")
     if args.decode:  # the penalty every decode applies, before the model is built (a bad one refused here)
-        args.repetition_penalty = bench_penalty(args)
+        args.repetition_penalty, args.repetition_penalty_source = bench_penalty(args)
     device = cli_device(args.device)
     set_threads(args.threads)  # --threads (decode group) applies to the teacher-forced benchmark too
     model = build_model(model_spec(args))
@@ -601,19 +602,25 @@ def run_batch_decode(args, model: GPT, plans: list[Plan], blocks: tuple[int, ...
         print(tie_footnote(args.runs, "speedup over batched sequential", "this row's tok/s over batched sequential's in the same run, "
                            "one run of each per round at that batch size"))
     load.say()
-    write_records(rows, args.json, args.csv, load=load.to_json())
+    write_records(rows, args.json, args.csv, load=load.to_json(), extra=penalty_source(args))
     return 0
 
 
-def bench_penalty(args) -> float:
-    """The repetition penalty `snlp bench --decode` decodes with: --repetition-penalty (checked in the flag's
-    words), else a converted --ckpt's generation_config value (as `snlp generate` applies it), else 1 (none)."""
-    from snlp.apps.generation_defaults import check_penalty_flag, resolve_penalty
+def bench_penalty(args) -> tuple[float, str]:
+    """The repetition penalty `snlp bench --decode` decodes with, and its source as `snlp generate --json` records
+    it (flag, generation_config or default): --repetition-penalty (checked in the flag's words), else a converted
+    --ckpt's generation_config value (as `snlp generate` applies it), else 1 (none)."""
+    from snlp.apps.generation_defaults import check_penalty_flag, penalty_and_source
     from snlp.io.checkpoint import checkpoint_tokenizer
 
     check_penalty_flag(args.repetition_penalty)
     tok = checkpoint_tokenizer(args.ckpt) if args.ckpt and args.repetition_penalty is None else None
-    return resolve_penalty(args, tok)
+    return penalty_and_source(args, tok)
+
+
+def penalty_source(args) -> dict:
+    """Every decode row's record of where its repetition_penalty came from (bench_penalty), as generate's --json."""
+    return {"repetition_penalty_source": args.repetition_penalty_source}
 
 
 def penalty_label(p: float) -> str:
@@ -658,7 +665,7 @@ def run_decode(args, model: GPT, plans: list[Plan], device: torch.device, dtype:
           + (f"; compile time (not in any timing): {sum(r.compile_s for r in rows if r.mode != 'speculative'):.1f} s"
              f"; host syncs per compiled step: {max(r.host_syncs for r in rows):g}" if args.compile else ""))
     load.say()
-    write_records(rows, args.json, args.csv, load=load.to_json())
+    write_records(rows, args.json, args.csv, load=load.to_json(), extra=penalty_source(args))
     return 0
 
 
@@ -783,7 +790,7 @@ def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
 def run_decode_suite_cli(args, command: str) -> int:
     """--suite decode: the decode suite on one model, or (--shapes) the random-weights prediction at paper shapes."""
     from snlp.apps.common import check_plans_fit
-    from snlp.bench.decode_suite import DecodeSuiteConfig, markdown, progress_line, run_decode_suite
+    from snlp.bench.decode_suite import DecodeSuiteConfig, markdown, progress_line, run_decode_suite, suite_source
     from snlp.bench.ssd_prediction import paper_shape_prediction, prediction_markdown
     from snlp.bench.records import write_csv, write_json
     from snlp.runtime.device import write_atomic
@@ -843,7 +850,8 @@ def run_decode_suite_cli(args, command: str) -> int:
     from snlp.apps.generation_defaults import check_penalty_flag
 
     check_penalty_flag(args.repetition_penalty)  # in the flag's words (the suite's own check names its field)
-    check_plans_fit(args.ckpt, plans or ())  # --suite-plans against the checkpoint's depth, before its weights load
+    # --suite-plans against the model's config (a transformers folder's, a GGUF header's too), before its weights load
+    check_plans_fit(suite_source(args.ckpt), plans or (), transformers_ok=True)
     methods = None if args.suite_methods is None else split(args.suite_methods) or ()
     hf_only = [f for f, used in (("--early-exit", args.early_exit is not None),
                                  ("--prompt-lookup", args.prompt_lookup is not None)) if used]

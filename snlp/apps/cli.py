@@ -192,16 +192,26 @@ def expand_paths(parser: argparse.ArgumentParser, args) -> None:
             setattr(args, dest, str(home_path(value)))
 
 
+# every command's --seed lies below this: the data / prompt generators are numpy seed sequences (no negative seed)
+# and torch generators (64 bits), and runs add offsets to the seed (a prompt's seed + i, a probe's seed + N)
+SEED_END = 2 ** 63
+
+
 def check_numbers(parser: argparse.ArgumentParser, args) -> None:
     """Refuse a number flag given as nan (argparse's float() reads "nan"), in one line before any work: a range
     check `x <= 0` is False for nan, so `--minutes nan` trained until killed and `--lr nan` trained NaN weights.
-    Infinity is left to each flag's own check (`--dist-timeout inf` waits forever, as asked)."""
+    Infinity is left to each flag's own check (`--dist-timeout inf` waits forever, as asked). A --seed outside
+    [0, SEED_END) is refused here too, whatever the command (generate's failed only once the model had loaded)."""
     import math
 
     for action in parser.commands[args.command]._actions:
         value = getattr(args, action.dest, None)
         if action.option_strings and isinstance(value, float) and math.isnan(value):
             raise ValueError(f"{action.option_strings[-1]} must be a number (got nan)")
+        if action.dest == "seed" and isinstance(value, int) and not 0 <= value < SEED_END:
+            raise ValueError(f"{action.option_strings[-1]} must be an integer in [0, 2**63) (got {value}): numpy's "
+                             f"seed sequences take no negative seed, torch's generators 64 bits, and runs draw "
+                             f"with seed + i")
 
 
 def check_outputs(parser: argparse.ArgumentParser, args) -> None:

@@ -5,6 +5,7 @@ timings and the lines it prints from it."""
 from __future__ import annotations
 
 import argparse
+import warnings
 from typing import Callable
 
 from snlp.io.checkpoint import checkpoint_depth, is_snlp_checkpoint, is_transformers_dir, load_config, load_preheat
@@ -39,20 +40,31 @@ def plans_preheat(ckpt, model, plans) -> Preheat | None:
     return pre
 
 
-def check_plans_fit(ckpt, plans, transformers_ok: bool = False) -> None:
+def check_plans_fit(ckpt, plans, transformers_ok: bool = False, longest: int | None = None) -> None:
     """Refuse a plan too deep for the checkpoint's model (Plan.check's error, naming the plan and the depth) before
-    its weights load: the depth is read from its config alone (snlp.io.checkpoint.checkpoint_depth); where no
-    config tells it (a GGUF file), the check after the load stands. An snlp checkpoint's whole config is read too,
-    so a plan its model cannot take (Plan.check_model: hcn without mHC, -causal without a window in the suffix) is
-    refused there as well. `plans`: strings or Plans (None skipped).
-    A transformers directory is checked only for commands that load one (`transformers_ok`, e.g. adapt); for the
-    others `load` refuses it with what the folder is and the command that converts it, the more useful error."""
-    if not ckpt or (not transformers_ok and is_transformers_dir(ckpt)):
+    its weights load: the depth is read from its config alone (snlp.io.checkpoint.checkpoint_depth). An snlp
+    checkpoint's whole config is read too, so a plan its model cannot take (Plan.check_model: hcn without mHC,
+    -causal without a window in the suffix) is refused there as well.
+    A transformers directory or a .gguf file is checked the same way (snlp.io.hf.source_config: its config.json or
+    its GGUF header) only for commands that load one (`transformers_ok`, e.g. adapt, eval --harness); for the others
+    `load` refuses it with what it is and the command that converts it, the more useful error.
+    `longest`: the most tokens a sequence of this run holds, where the command knows it: a -causal plan whose suffix
+    windows all span that many is warned about (Plan.causal_idle). `plans`: strings or Plans (None skipped)."""
+    if not ckpt:
+        return
+    plans = [Plan.parse(p) if isinstance(p, str) else p for p in plans if p is not None]
+    if transformers_ok and not is_snlp_checkpoint(ckpt):
+        from snlp.io.hf import source_config  # (transformers is imported only where such a model is given)
+
+        if (config := source_config(ckpt)) is not None:
+            for p in plans:
+                p.check_model(config)
+            return warn_causal_idle(plans, config, longest)
+    elif is_transformers_dir(ckpt):
         return
     depth = checkpoint_depth(ckpt)
     if depth is None:
         return
-    plans = [Plan.parse(p) if isinstance(p, str) else p for p in plans if p is not None]
     for p in plans:
         p.check(depth)
     if is_snlp_checkpoint(ckpt):  # its whole config is in config.json: what else a plan needs of the model (hcn:
@@ -62,6 +74,17 @@ def check_plans_fit(ckpt, plans, transformers_ok: bool = False) -> None:
             return
         for p in plans:
             p.check_model(config)
+        warn_causal_idle(plans, config, longest)
+
+
+def warn_causal_idle(plans, config, longest: int | None) -> None:
+    """Warn (once per plan) where a -causal plan changes nothing on this run's sequences of at most `longest` tokens
+    (Plan.causal_idle); None: the command does not know its longest sequence before it runs."""
+    if longest is None:
+        return
+    for p in plans:
+        if why := (Plan.parse(p) if isinstance(p, str) else p).causal_idle(config, longest):
+            warnings.warn(why, stacklevel=2)
 
 
 def check_plans_grammar(text: str | None) -> list[Plan]:

@@ -249,7 +249,7 @@ def record_ties(records) -> dict[str, set[str]]:
 def run(args) -> int:
     import torch
 
-    from snlp.apps.common import check_plans_fit, check_plans_grammar, plans_preheat, say_contention
+    from snlp.apps.common import check_plans_fit, check_plans_grammar, plans_preheat, say_contention, warn_causal_idle
     from snlp.runtime.load import begin_timing
     from snlp.eval.data import DATA_DEFAULTS, checkpoint_data, validation_tokens
     from snlp.eval.present import markdown_table, print_table, protocol_note, write_csv
@@ -297,6 +297,8 @@ def run(args) -> int:
     plans = parse_plans(args.plans, model.config.n_layer)
     cfg = config_from_args(args, model)
     cfg.check()
+    # the longest sequence run: the teacher-forced windows, or an AR prompt with its greedy tokens
+    warn_causal_idle(plans, model.config, max(cfg.seq_len, cfg.prompt_len + cfg.gen_tokens))
     dtype = cli_dtype(args.dtype, device)
     from snlp.io.weights import cast_model  # float16 refuses a weight it cannot hold
     model = cast_model(model, device, dtype, args.ckpt).eval()

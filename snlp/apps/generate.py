@@ -209,12 +209,6 @@ def check_args(args) -> None:
         raise ValueError(f"--repeats must be >= 1 (got {args.repeats})")
 
 
-def penalty_record(args) -> dict:
-    """--json's fields for the repetition penalty every decode of the run applied (1: none) and its source: flag
-    (--repetition-penalty), generation_config (a converted model's) or default."""
-    return {"repetition_penalty": args.repetition_penalty, "repetition_penalty_source": args.repetition_penalty_source}
-
-
 def prompt_ids(args, tok) -> tuple[list[int], int | None]:
     """The prompt's ids and the EOS id to stop at: with --chat the tokenizer's chat template and its EOS
     (unless --eos-id says otherwise), else the text's ids (Tokenizer.prompt_ids: a converted model's as transformers'
@@ -399,7 +393,6 @@ def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
     res, wall = decode_batches(args, model, prompts, plan, preheat, eos_id, drafter=drafter)
     total = sum(len(r.tokens) for r in res)
     record = {"mode": args.mode, "plan": None if plan is None else str(plan), "batch_size": args.batch_size,
-              **penalty_record(args),
               "prompts": len(prompts), "tokens": total, "decode_s": wall, "tokens_per_s": total / wall if wall else None,
               "sampling": sampling_record(args),  # row i drew with seed + i (decode_batches)
               "results": [{"prompt": t, "tokens": r.tokens, "text": tok.decode(r.tokens, mark_missing=True),
@@ -525,7 +518,7 @@ def run(args) -> int:
         stats += f", compiled in {res.compile_s:.1f} s (before timing, not in tok/s)"
     record = {"tokens": res.tokens, "text": tok.decode(res.tokens, mark_missing=True),
               "sampling": sampling_record(args),  # what repeats the draws: temperature, filters, seed, penalty
-              **{k: v for k, v in res.to_dict().items() if k != "tokens"}, **penalty_record(args)}
+              **{k: v for k, v in res.to_dict().items() if k != "tokens"}}
     if res.mode in ("speculative", "jacobi"):
         from snlp.apps.common import NO_DRAFTS
 

@@ -105,9 +105,12 @@ def penalty_and_source(args, tok) -> tuple[float, str]:
     return p, "default" if cfg.get("repetition_penalty") is None else "generation_config"
 
 
-def sampling_record(args) -> dict:
+def sampling_record(args, penalty: float | None = None, source: str | None = None) -> dict:
     """How a `snlp generate` run picked its tokens, for its --json record (single-process and --distributed alike):
     without the seed and the filters a sampled record's tokens cannot be drawn again. `seed` is None for greedy
-    decoding (it draws nothing); a --prompts-file row i drew with seed + i (its own result says so)."""
+    decoding (it draws nothing); a --prompts-file row i drew with seed + i (its own result says so). The repetition
+    penalty that ran (1: none) is here, and only here, with its source (penalty_and_source: flag, generation_config
+    or default); `penalty` / `source` default to the args' resolved ones."""
     return {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
-            "repetition_penalty": args.repetition_penalty}
+            "repetition_penalty": args.repetition_penalty if penalty is None else penalty,
+            "repetition_penalty_source": source or getattr(args, "repetition_penalty_source", None) or "default"}

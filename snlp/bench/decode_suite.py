@@ -326,6 +326,19 @@ def vocab_before_load(src: str | None, quick: bool) -> int | None:
     return checkpoint_vocab(src)
 
 
+def suite_source(src: str | None) -> str | None:
+    """The path whose config tells the model load_model builds for `src` (the bundled GGUF for 'smollm2'), or None
+    for random weights (no config to read: the plans are checked against the model once built)."""
+    if src is None or src == RANDOM_SMOLLM2:
+        return None
+    if src == "smollm2":
+        from snlp.io.hf import bundled_smollm2
+
+        path = bundled_smollm2()
+        return None if path is None else str(path)
+    return src
+
+
 def load_model(src: str | None, quick: bool, seed: int = 0):
     """(model on the CPU in fp32, tokenizer or None, label) for `src` (DecodeSuiteConfig.ckpt)."""
     if src is None or src == RANDOM_SMOLLM2:

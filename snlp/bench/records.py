@@ -68,11 +68,13 @@ class _Row:
 
 
 def write_records(records: list, json_path: str | None = None, csv_path: str | None = None,
-                  load: dict | None = None) -> None:
+                  load: dict | None = None, extra: dict | None = None) -> None:
     """A command's --json / --csv outputs (either may be None: not asked for). `load`: the load window its timings
-    ran in (snlp.runtime.load.LoadWindow.to_json), added to every row as its `load` (the files are lists of rows)."""
-    if load is not None:
-        records = [_Row({**r.to_dict(), "load": load}) for r in records]
+    ran in (snlp.runtime.load.LoadWindow.to_json), added to every row as its `load` (the files are lists of rows);
+    `extra`: fields every row shares that its record type does not carry (e.g. where its settings came from)."""
+    if load is not None or extra:
+        records = [_Row({**r.to_dict(), **(extra or {}), **({} if load is None else {"load": load})})
+                   for r in records]
     if json_path:
         write_json(json_path, records)
     if csv_path:

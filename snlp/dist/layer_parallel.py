@@ -796,16 +796,21 @@ def distributed_benchmark(model_fn, plans: list[Plan], tokens: int, batch: int, 
             for (mode, b), rs in res.items():
                 ms = statistics.median(1e3 * r.decode_s / len(r.tokens) for r in rs)
                 rec = {**dbase, "what": "decode", "mode": mode, "block": b or None, "ms_per_token": ms,
-                       "speedup_vs_pipeline": seq_ms / ms, "matches_sequential": rs[0].tokens == ref,
+                       # every timed run, as the median's: a run whose tokens differ is a row that does not match
+                       "speedup_vs_pipeline": seq_ms / ms, "matches_sequential": all(r.tokens == ref for r in rs),
                        "prompt_len": prompt_len, "new_tokens": new_tokens, "repetition_penalty": repetition_penalty,
                        # run i of every mode ran in round i (paired with the sequential row's run i)
                        "ms_per_token_runs": [1e3 * r.decode_s / len(r.tokens) for r in rs],
                        "sequential_ms_per_token_runs": [1e3 * r.decode_s / len(r.tokens)
                                                         for r in res[("sequential", 0)]]}
                 if mode == "speculative":
-                    examined = rs[0].examined  # one new token (the prefill's) drafts nothing: not measured, None
-                    rec.update(alpha=rs[0].acceptance_rate if examined else None,
-                               tokens_per_round=rs[0].tokens_per_round,
+                    # alpha and tokens/round over the same timed runs as the medians (pooled: accepted over examined
+                    # drafts, tokens over rounds, of all of them), each run's alpha beside; one new token (the
+                    # prefill's) drafts nothing: not measured, None
+                    examined = sum(r.examined for r in rs)
+                    rec.update(alpha=sum(r.accepted for r in rs) / examined if examined else None,
+                               alpha_runs=[r.acceptance_rate if r.examined else None for r in rs],
+                               tokens_per_round=sum(len(r.tokens) for r in rs) / sum(r.rounds for r in rs),
                                draft_ms_per_step=statistics.median(r.draft_ms_per_step for r in rs) if examined
                                else None,
                                verify_ms_per_round=statistics.median(1e3 * r.verify_s / r.rounds for r in rs))

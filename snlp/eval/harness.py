@@ -80,11 +80,15 @@ GEN_KEYS = {"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p
 GEN_NOOPS = {"num_beams": (1,), "num_return_sequences": (1,), "num_beam_groups": (1,), "diversity_penalty": (0.0,),
              "top_p": (1.0, None), "top_k": (0, None), "min_p": (0.0, None), "typical_p": (1.0, None),
              "epsilon_cutoff": (0.0, None), "eta_cutoff": (0.0, None), "encoder_repetition_penalty": (1.0, None),
-             "no_repeat_ngram_size": (0, None), "use_cache": (True, False)}
+             "no_repeat_ngram_size": (0, None), "use_cache": (True, False),
+             # unset (None) or off: transformers' generate() stays greedy / sampling (GenerationConfig.get_generation_mode)
+             "penalty_alpha": (0.0, None), "dola_layers": (None,), "force_words_ids": (None,), "constraints": (None,)}
 BEAM_ONLY = {"length_penalty", "early_stopping"}  # act only with num_beams > 1 (refused): any value is a no-op
 # filters of the distribution sampling draws from: greedy decoding draws nothing, so any value is a no-op there
 # (transformers' greedy generate ignores them too); under sampling only their no-op values above are accepted
 SAMPLING_ONLY = {"top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff"}
+# contrastive search's degeneration penalty: do_sample makes generate() sample, whatever penalty_alpha says
+GREEDY_ONLY = {"penalty_alpha"}
 # transformers.GenerationConfig's own top_k / top_p, what a sampled generate() filters with where neither the call nor
 # the model's generation config sets them
 TRANSFORMERS_SAMPLING_DEFAULTS = {"top_k": 50, "top_p": 1.0}
@@ -95,7 +99,8 @@ def refused_gen_kwargs(kw: dict, greedy: bool) -> list[str]:
     """The generation options of normalized kwargs `kw` that would change the answer and that snlp's decoders do not
     implement (beam search, min-p / typical sampling, n-gram bans, ...): those the caller must not lose."""
     return sorted(k for k in set(kw) - GEN_KEYS if not (
-        k in BEAM_ONLY or greedy and k in SAMPLING_ONLY or k in GEN_NOOPS and kw[k] in GEN_NOOPS[k]))
+        k in BEAM_ONLY or greedy and k in SAMPLING_ONLY or not greedy and k in GREEDY_ONLY
+        or k in GEN_NOOPS and kw[k] in GEN_NOOPS[k]))
 
 
 def load_any(pretrained: str, need_tokenizer: str | None = None) -> tuple[GPT, Tokenizer | None, Path | None]:
@@ -130,16 +135,26 @@ def harness_seed(seed) -> int:
     """The seed= model arg as an int, or a one-line ValueError: an integer (model_args' parser types "7" as one; a
     string of digits passed from Python is read as its integer), never a float (int() would truncate 1.7 to 1, and
     model_args would record seed=1) or a boolean, within the range torch's generators take (check_seed)."""
-    if isinstance(seed, str):
-        try:
-            seed = int(seed.strip())
-        except ValueError:
-            pass
-    if isinstance(seed, bool) or not hasattr(seed, "__index__"):
-        raise ValueError(f"seed (the sampling seed of generate_until) must be an integer, got {seed!r}")
-    seed = int(seed)
+    seed = harness_int("seed (the sampling seed of generate_until)", seed)
     check_seed(seed)
     return seed
+
+
+def harness_int(what: str, value, low: int | None = None) -> int:
+    """An integer model arg (`what` names it) as an int, or a one-line ValueError: an integer, or a string of digits
+    passed from Python; never a float (int() would truncate block=2.5 to 2 and the run would record a value nobody
+    gave) or a boolean (an int to Python: True would read as 1). `low`: the least value taken."""
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise ValueError(f"{what} must be an integer, got {value!r}")
+    value = int(value)
+    if low is not None and value < low:
+        raise ValueError(f"{what} must be >= {low}, got {value}")
+    return value
 
 
 def _on(w: torch.Tensor, device) -> bool:
@@ -189,19 +204,18 @@ class SNLPLM(TemplateLM):
         if str(batch_size).startswith("auto"):
             raise ValueError("batch_size=auto is not supported by the snlp harness model: give a number of requests "
                              "per forward (e.g. batch_size=8)")
-        self._batch_size = int(batch_size) if max_batch_size is None else min(int(batch_size), int(max_batch_size))
-        if self._batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1 (got {batch_size})")
+        self._batch_size = harness_int("batch_size", batch_size, 1)
+        if max_batch_size is not None:
+            self._batch_size = min(self._batch_size, harness_int("max_batch_size", max_batch_size, 1))
         if dtype not in (None, "auto") and dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}: use one of {sorted(DTYPES)} (default float32 on cpu, bfloat16 on cuda)")
         # values checked before the model (or a drafter) loads
         if decode is not None and decode not in DECODES:
             raise ValueError(f"decode={decode!r}: use one of {', '.join(DECODES)}")
-        if int(block) < 1:
-            raise ValueError(f"block (the speculative draft length) must be >= 1, got {block!r}")
+        block = harness_int("block (the speculative draft length)", block, 1)
         seed = harness_seed(seed)
-        if max_length is not None and int(max_length) < 1:
-            raise ValueError(f"max_length must be >= 1 (or left out for the model's sequence_len), got {max_length!r}")
+        if max_length is not None:
+            max_length = harness_int("max_length", max_length, 1)
         if isinstance(plan, str):
             Plan.parse(plan)  # its grammar; whether it fits the model once that has loaded
         self._rank, self._world_size = 0, 1
@@ -272,9 +286,9 @@ class SNLPLM(TemplateLM):
         if (decode == "sequential") != (plan is None):
             raise ValueError(f"decode={decode} needs " + ("no plan (the model's own decoding)" if plan is not None
                              else "a plan= or a drafter= (it decodes with the plan's SNLP forward)"))
-        self.decode, self.block, self.seed = decode, int(block), seed
+        self.decode, self.block, self.seed = decode, block, seed
         self.logits_cache = _bool(logits_cache)
-        self._max_length = int(max_length) if max_length else self.model.config.sequence_len
+        self._max_length = max_length or self.model.config.sequence_len
         self.add_bos_token = (not tok.foreign) if add_bos_token is None else _bool(add_bos_token)
         self._bos_given = add_bos_token is not None  # an explicit add_bos_token=False also stops the tokenizer's own
 

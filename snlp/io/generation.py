@@ -15,7 +15,10 @@ import math
 UNMATCHED = ("no_repeat_ngram_size", "encoder_repetition_penalty", "min_length",
              "min_new_tokens", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "sequence_bias",
              "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty", "min_p", "typical_p",
-             "epsilon_cutoff", "eta_cutoff", "top_h", "guidance_scale", "watermarking_config", "num_beams")
+             "epsilon_cutoff", "eta_cutoff", "top_h", "guidance_scale", "watermarking_config", "num_beams",
+             # modes transformers 5's generate() moved to hub repos (DoLa, constrained beam search): set, it raises
+             # unless called with trust_remote_code=True, and then decodes otherwise than greedy or sampling
+             "dola_layers", "force_words_ids", "constraints")
 # the values at which those change nothing (min_p 0 keeps every token, min_new_tokens 0 forces nothing,
 # guidance_scale 1 is the conditional logits alone, num_beams 1 one sequence): set so, they are not named
 NEUTRAL = {"encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_length": 0,
@@ -27,9 +30,19 @@ SAMPLING_ONLY = ("min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
 
 def unapplied_defaults(defaults: dict, sampling: bool) -> dict:
     """The generation defaults (`Tokenizer.meta["generation_config"]`) that transformers' generate() applies and snlp
-    does not, in a greedy run (`sampling` False: the sampling-only filters draw nothing there) or a sampled one."""
-    return {k: v for k, v in (defaults or {}).items() if k in UNMATCHED and v not in (None, [], {}, NEUTRAL.get(k))
-            and (sampling or k not in SAMPLING_ONLY)}
+    does not, in a greedy run (`sampling` False: the sampling-only filters draw nothing there) or a sampled one.
+    penalty_alpha counts only where it turns greedy decoding into contrastive search (GenerationConfig.
+    get_generation_mode: penalty_alpha > 0 with top_k > 1, the config's or transformers' default 50, not sampling);
+    transformers 5 moved that mode to a hub repo too (generate() raises without trust_remote_code)."""
+    defaults = defaults or {}
+    extra = {k: v for k, v in defaults.items() if k in UNMATCHED and v not in (None, [], {}, NEUTRAL.get(k))
+             and (sampling or k not in SAMPLING_ONLY)}
+    alpha, top_k = defaults.get("penalty_alpha"), defaults.get("top_k")
+    top_k = 50 if top_k is None else top_k
+    if (not sampling and isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and alpha > 0
+            and isinstance(top_k, (int, float)) and top_k > 1):
+        extra["penalty_alpha"] = alpha
+    return extra
 
 
 def config_repetition_penalty(defaults: dict, where: str = "its generation_config") -> float:

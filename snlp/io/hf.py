@@ -289,6 +289,43 @@ def check_gguf(path: Path) -> dict:
     return extra_cfg
 
 
+class GGUFLayers:
+    """What a GGUF file's header tells of its model's layers before any weight is read: the depth, and the attention
+    windows, none (transformers' GGUF config mapping reads no sliding window for the architectures check_gguf takes,
+    so every layer from_hf builds attends fully), no mHC. Quacks as much of a GPTConfig as Plan.check_model reads."""
+
+    hc_streams = 0
+
+    def __init__(self, n_layer: int):
+        self.n_layer = n_layer
+
+    def window(self, layer: int) -> int:
+        return -1
+
+
+def source_config(src) -> GPTConfig | GGUFLayers | None:
+    """What a plan needs of the model that `from_hf(src)` builds, read before its weights: for a transformers
+    directory the GPTConfig of its config.json (config_from_hf; its ValueError is the one the load raises), for a
+    .gguf file its header's GGUFLayers (check_gguf's refusals come here, before the load). None for anything else (a
+    hub id, an unreadable config): the load then says why."""
+    path = home_path(src)
+    if path.suffix == ".gguf" and path.is_file():
+        from gguf import GGUFReader
+
+        check_gguf(path)
+        f = GGUFReader(str(path)).fields
+        return GGUFLayers(f[f"{f['general.architecture'].contents()}.block_count"].contents())
+    if not (path.is_dir() and (path / "config.json").is_file()):
+        return None
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError):
+        return None
+    return config_from_hf(cfg)
+
+
 def check_vocab(model: GPT, tok: Tokenizer | None) -> None:
     if tok is not None and tok.vocab_size > model.config.vocab_size:
         raise ValueError(f"tokenizer/model vocab mismatch: the tokenizer has {tok.vocab_size} tokens but the model's "

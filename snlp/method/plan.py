@@ -150,6 +150,22 @@ class Plan:
                              f"fully already): it changes nothing, drop -causal")
         return self
 
+    def causal_idle(self, config, longest: int) -> str | None:
+        """Why `causal` changes nothing on sequences of at most `longest` tokens of a model with this GPTConfig (a
+        one-line warning), or None. A window w keeps keys i - j <= w (snlp.model.ops.window_mask), so at T tokens
+        it drops a key only where w < T - 1: windows all that wide make the suffix layers attend fully already, and
+        the causal approximation is the model's own function. A warning, not a refusal: `longest` is what this run
+        reaches at most, the model may see longer sequences elsewhere (check_model refuses the model-wide case)."""
+        if not self.causal:
+            return None
+        suffix = [config.window(l) for l in range(config.n_layer - self.n_suffix, config.n_layer)]
+        windows = [w for w in suffix if w >= 0]
+        if not windows or min(windows) < longest - 1:
+            return None
+        return (f"plan {self}: causal drops the suffix layers' sliding windows (the narrowest keeps "
+                f"{min(windows) + 1} tokens), and this run's sequences have at most {longest} tokens: it changes "
+                f"nothing here (the plan runs as its non-causal twin)")
+
     @property
     def evals_per_iter(self) -> int:
         """Batched suffix evaluations on the critical path per iteration (the surrogate's cost:

@@ -38,11 +38,16 @@ def test_a_sampled_record_names_what_draws_its_tokens_again(ckpt, tmp_path):
     model, tok = load(ckpt)
     rec = _run(ckpt, tmp_path, "--prompt", "First", "--temperature", "1.7", "--top-k", "9", "--top-p", "0.95",
                "--repetition-penalty", "1.3")
-    assert rec["sampling"] == dict(temperature=1.7, top_k=9, top_p=0.95, seed=0, repetition_penalty=1.3)
-    again = sequential_generate(model, tok.prompt_ids("First"), max_new_tokens=6, **rec["sampling"])
+    assert rec["sampling"] == dict(temperature=1.7, top_k=9, top_p=0.95, seed=0, repetition_penalty=1.3,
+                                   repetition_penalty_source="flag")
+    # the penalty is recorded once, in "sampling" with its source (it was also at the top level, twice the same value)
+    assert "repetition_penalty" not in rec and "repetition_penalty_source" not in rec
+    kw = {k: v for k, v in rec["sampling"].items() if k != "repetition_penalty_source"}
+    again = sequential_generate(model, tok.prompt_ids("First"), max_new_tokens=6, **kw)
     assert again.tokens == rec["tokens"]
     greedy = _run(ckpt, tmp_path, "--prompt", "First")
-    assert greedy["sampling"] == dict(temperature=0.0, top_k=0, top_p=1.0, seed=None, repetition_penalty=1.0)
+    assert greedy["sampling"] == dict(temperature=0.0, top_k=0, top_p=1.0, seed=None, repetition_penalty=1.0,
+                                      repetition_penalty_source="default")
 
 
 def test_a_prompts_file_record_gives_each_row_its_seed(ckpt, tmp_path):
@@ -52,7 +57,8 @@ def test_a_prompts_file_record_gives_each_row_its_seed(ckpt, tmp_path):
     rec = _run(ckpt, tmp_path, "--prompts-file", str(tmp_path / "p.txt"), "--batch-size", "2", "--temperature",
                "1.5", "--seed", "5")
     assert rec["sampling"]["seed"] == 5 and [r["seed"] for r in rec["results"]] == [5, 6, 7]
-    kw = {k: v for k, v in rec["sampling"].items() if k != "seed"}
+    kw = {k: v for k, v in rec["sampling"].items() if k not in ("seed", "repetition_penalty_source")}
+    assert "repetition_penalty" not in rec and rec["sampling"]["repetition_penalty_source"] == "default"
     for t, r in zip(texts, rec["results"]):
         assert sequential_generate(model, tok.prompt_ids(t), max_new_tokens=6, seed=r["seed"], **kw).tokens == \
             r["tokens"]

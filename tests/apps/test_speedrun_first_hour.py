@@ -13,7 +13,7 @@ def test_a_training_setting_out_of_range_is_refused_before_any_stage(tmp_path, c
     out = tmp_path / "sr"
     assert main(["speedrun", "--out", str(out), *TINY, "--seed", "-1"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "--seed must be >= 0 (got -1)" in err and len(err.splitlines()) == 1, err
+    assert "--seed must be an integer in [0, 2**63) (got -1)" in err and len(err.splitlines()) == 1, err
     assert not out.exists()
 
 

@@ -168,9 +168,14 @@ def test_bench_decode_applies_the_repetition_penalty_to_every_row(tmp_path, caps
                      "--repetition-penalty", "1.3", "--json", str(out), *extra]) == 0
         rows = json.loads(out.read_text())
         assert seen and set(seen) == {1.3}, seen
-        assert all(r["repetition_penalty"] == 1.3 for r in rows)
+        # and its source, as generate --json records it (the rows named the value alone)
+        assert all((r["repetition_penalty"], r["repetition_penalty_source"]) == (1.3, "flag") for r in rows)
         assert all(r["matches_sequential"] for r in rows if r["mode"] != "snlp")
         assert "repetition penalty 1.3 on every row" in capsys.readouterr().out
+    assert main(["bench", *TINY, "--decode", "--new-tokens", "2", "--prompt-len", "4", "--plans", "4xF1-h0-K1",
+                 "--json", str(out)]) == 0
+    assert {(r["repetition_penalty"], r["repetition_penalty_source"]) for r in json.loads(out.read_text())} == \
+        {(1.0, "default")}
     monkeypatch.setattr(F, "build_model", lambda *a, **k: pytest.fail("the model was built before the refusal"))
     assert main(["bench", *TINY, "--decode", "--repetition-penalty", "0"]) == 2
     assert "--repetition-penalty must be a finite number > 0" in capsys.readouterr().err

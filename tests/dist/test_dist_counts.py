@@ -154,3 +154,40 @@ def test_prefill_line_says_why_a_speedup_ties(seq, par, why):
     row = dist_bench_row(rec, loadavg=[], pinned=False, threads=1)
     assert row.speedup_tie
     assert why in prefill_line(2, row)
+
+
+def _varying_alpha_worker(rank: int, world: int, port: int, out: str) -> None:
+    """The benchmark with its speculative runs' acceptance made to differ: run 1 accepts no draft, run 2 every one."""
+    import torch.distributed as dist
+
+    from snlp.dist.layer_parallel import DistributedSNLP, distributed_benchmark
+    from snlp.method.plan import Plan
+
+    _init(rank, world, port)
+    real, seen = DistributedSNLP.generate, []
+
+    def generate(self, prompt, mode, *a, **k):
+        r = real(self, prompt, mode, *a, **k)
+        if mode == "speculative":
+            r.accepted = 0 if not seen else r.examined
+            seen.append((r.accepted, r.examined, len(r.tokens), r.rounds))
+        return r
+
+    DistributedSNLP.generate = generate
+    recs = distributed_benchmark(_model, [Plan.parse(PLAN)], tokens=3, batch=1, warmup=0, runs=RUNS, seed=0,
+                                 decode=True, prompt_len=PROMPT_LEN, new_tokens=NEW, blocks=(2,))
+    torch.save((recs, seen), os.path.join(out, f"alpha{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_bench_decode_alpha_comes_from_the_timed_runs_of_the_medians(tmp_path):
+    """The speculative row's alpha and tokens/round were the first timed run's while its times are medians over
+    every timed run: they are now pooled over those same runs (accepted / examined, tokens / rounds), each run's
+    alpha recorded beside."""
+    _spawn(_varying_alpha_worker, 1, str(tmp_path))
+    recs, seen = torch.load(tmp_path / "alpha0.pt", weights_only=False)
+    spec = next(r for r in recs if r.get("mode") == "speculative")
+    assert len(seen) == RUNS and seen[1][1] > 0
+    assert spec["alpha"] == sum(a for a, *_ in seen) / sum(e for _, e, *_ in seen) > 0
+    assert spec["alpha_runs"] == [a / e if e else None for a, e, *_ in seen]
+    assert spec["tokens_per_round"] == sum(t for *_, t, _ in seen) / sum(r for *_, r in seen)

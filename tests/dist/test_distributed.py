@@ -274,7 +274,8 @@ def test_torchrun_generate_distributed_matches_sequential(tmp_path):
     assert dst["tokens"] == seq["tokens"] and dst["matches_sequential"] and dst["world_size"] == 2
     assert dst["chunks_per_rank"] == [[0, 2], [2, 3]] and len(dst["memory_per_rank"]) == 2
     assert dst["sampling"] == seq["sampling"] == dict(temperature=0.0, top_k=0, top_p=1.0, seed=None,
-                                                      repetition_penalty=1.0)  # greedy: no seed
+                                                      repetition_penalty=1.0,
+                                                      repetition_penalty_source="default")  # greedy: no seed
     assert "over 2 ranks" in out.stdout
     # the timed rounds' load window (snlp.runtime.load), over the cores the job may use
     assert set(dst["load"]) == {"start", "end", "peak", "cores", "machine_cpus"} and dst["load"]["cores"] >= 1

@@ -241,7 +241,8 @@ def test_distributed_generate_applies_the_repetition_penalty(chat_ckpt, tmp_path
     rec = json.loads((tmp_path / "dist.json").read_text())
     assert rec["tokens"] == want and rec["sequential_tokens"] == want and rec["matches_sequential"]
     # the record names the penalty that ran and whence, as single-process `snlp generate --json` does
-    assert (rec["repetition_penalty"], rec["repetition_penalty_source"]) == (0.8, "flag")
+    assert (rec["sampling"]["repetition_penalty"], rec["sampling"]["repetition_penalty_source"]) == (0.8, "flag")
+    assert "repetition_penalty" not in rec and "repetition_penalty_source" not in rec  # once, in "sampling"
 
 
 @pytest.fixture(scope="module")

@@ -373,6 +373,20 @@ def test_harness_model_args_are_checked_before_the_model_loads(tmp_path, kw, say
         SNLPLM(pretrained=str(tmp_path / "no-such-ckpt"), **kw)
 
 
+@pytest.mark.parametrize("kw,says", [(dict(block=2.5), "block (the speculative draft length) must be an integer"),
+                                     (dict(block=True), "block (the speculative draft length) must be an integer"),
+                                     (dict(max_length=8.5), "max_length must be an integer, got 8.5"),
+                                     (dict(batch_size=2.5), "batch_size must be an integer, got 2.5"),
+                                     (dict(batch_size="2.5"), "batch_size must be an integer, got '2.5'"),
+                                     (dict(max_batch_size=3.5), "max_batch_size must be an integer, got 3.5"),
+                                     (dict(max_batch_size=0), "max_batch_size must be >= 1, got 0")])
+def test_numeric_harness_model_args_are_integers_never_truncated(tmp_path, kw, says):
+    """block=2.5 (model_args types "2.5" as a float) was int()-truncated to 2, max_length / batch_size alike, and
+    model_args then recorded a value nobody gave; each is refused in one line before the model loads, as seed= is."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        SNLPLM(pretrained=str(tmp_path / "no-such-ckpt"), **kw)
+
+
 def test_a_model_without_tokenizer_is_named_in_one_line(tmp_path):
     """`snlp eval HF_DIR --harness ...` on a transformers directory without tokenizer.json printed the whole model's
     repr (hundreds of lines, the GPT object) before ": no tokenizer". The message names the source, in one line."""
@@ -732,3 +746,19 @@ def test_generation_stops_decoding_at_a_stop_string(base, monkeypatch, kw):
     assert got == [f.split(s)[0] for f, s in zip(free, stops)]
     lengths = [len(t) for t in decoded[1]]
     assert max(lengths) <= 15, lengths  # 11 ASCII characters are at most 11 tokens, plus a round of 3 drafts
+
+
+@pytest.mark.parametrize("kw,greedy,refused", [
+    ({"penalty_alpha": 0.6}, True, ["penalty_alpha"]),  # contrastive search (top_k defaults to 50 > 1)
+    ({"penalty_alpha": 0.6, "temperature": 1.0}, False, []),  # do_sample: generate() samples, penalty_alpha unread
+    ({"penalty_alpha": 0.0}, True, []), ({"penalty_alpha": None}, True, []),  # off / unset: greedy
+    ({"dola_layers": "high"}, True, ["dola_layers"]), ({"dola_layers": None}, True, []),
+    ({"force_words_ids": [[5]]}, False, ["force_words_ids"]), ({"constraints": None}, True, []),
+    ({"num_beams": 4}, True, ["num_beams"])])
+def test_generation_modes_the_harness_model_cannot_run_are_refused_and_their_off_values_accepted(kw, greedy, refused):
+    """A task's penalty_alpha=0 / dola_layers=None (transformers' generate() stays greedy) was refused as an unknown
+    option, and penalty_alpha under do_sample (generate() samples, ignoring it) too; set values that change the mode
+    (contrastive search, DoLa, constrained beams, beams) stay refused."""
+    from snlp.eval.harness import refused_gen_kwargs
+
+    assert refused_gen_kwargs(kw, greedy) == refused

@@ -6,6 +6,7 @@ count for its stderr."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -509,8 +510,32 @@ def test_generate_json_records_the_penalty_that_ran_and_its_source(hf_dir, tmp_p
             assert main(["generate", str(tmp_path / ck), *where, "--max-new-tokens", "6", "--quiet", "--json",
                          str(out), *flags]) == 0
             rec = json.loads(out.read_text())
-            assert (rec["repetition_penalty"], rec["repetition_penalty_source"]) == want, (ck, flags, where)
+            sampling = rec["sampling"]  # the one place the penalty and its source are recorded
+            assert (sampling["repetition_penalty"], sampling["repetition_penalty_source"]) == want, (ck, flags, where)
+            assert "repetition_penalty" not in rec and "repetition_penalty_source" not in rec
             if ck == "ck" and where[0] == "--prompt":
                 ref = sequential_generate(model, tok.prompt_ids("t3 t7"), 6, eos_id=list(tok.stop_ids),
                                           repetition_penalty=want[0]).tokens
                 assert rec["tokens"] == ref
+
+
+@pytest.mark.parametrize("config", [{"penalty_alpha": 0.6}, {"penalty_alpha": 0.6, "top_k": 1}, {"penalty_alpha": 0.0},
+                                    {"penalty_alpha": 0.6, "top_k": 4}, {"dola_layers": "low"},
+                                    {"force_words_ids": [[5]]}, {"num_beams": 2}, {}])
+@pytest.mark.parametrize("sampling", [False, True])
+def test_a_generation_config_is_named_exactly_where_transformers_leaves_greedy_or_sampling(config, sampling):
+    """penalty_alpha (contrastive search), dola_layers (DoLa) and force_words_ids (constrained beam search) in a
+    converted model's generation_config were read by no check: snlp generate said nothing and the harness decoded
+    greedily where transformers' generate() runs (or, in transformers 5, refuses without trust_remote_code) another
+    mode. The law: a config is named exactly where GenerationConfig.get_generation_mode is neither greedy nor sample."""
+    import transformers
+
+    from snlp.io.generation import unapplied_defaults
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gc = transformers.GenerationConfig(**config, do_sample=sampling)
+        # what generate() does before it picks the mode (_prepare_generation_config): unset fields get its defaults
+        gc.update(**gc._get_default_generation_params(), defaults_only=True)
+        mode = gc.get_generation_mode()
+    assert bool(unapplied_defaults(config, sampling)) == (mode not in ("greedy_search", "sample")), (config, mode)
