@@ -33,7 +33,7 @@ class DecodeRow:
     ms_per_token: float  # median over runs
     tokens_per_s: float
     speedup: float  # sequential ms/token over this row's
-    matches_sequential: bool  # the greedy tokens equal sequential's
+    matches_sequential: bool  # every timed run's greedy tokens equal sequential's (every run of it)
     new_tokens: int
     prompt_len: int
     runs: int
@@ -48,8 +48,9 @@ class DecodeRow:
     model_bytes: int | None = None
     bandwidth_gb_s: float | None = None
     # speculative rows only
-    alpha: float | None = None  # acceptance rate
-    tokens_per_round: float | None = None
+    alpha: float | None = None  # acceptance rate, pooled over the timed runs: accepted over examined drafts
+    alpha_runs: list[float | None] | None = None  # each timed run's alpha, in run order (None: drafted nothing)
+    tokens_per_round: float | None = None  # pooled over the timed runs: tokens over rounds
     drafter_speedup_s: float | None = None  # sequential over drafter ms per cached single-token step
     drafter_ms_per_step: float | None = None
     sequential_ms_per_step: float | None = None
@@ -173,12 +174,15 @@ def _rows(model: GPT, results: dict, seq, drafts: dict, syncs: dict | None, comm
     param = next(model.parameters())
     per_run = {key: [1e3 * r.decode_s / len(r.tokens) for r in rs] for key, rs in results.items()}
     rows = []
+    seq_agree = all(x.tokens == ref_tokens for x in results[key0])  # a run of sequential that differs: no row matches
     for (mode, plan, b), rs in results.items():
-        r, t = rs[0], ms[(mode, plan, b)]
+        t = ms[(mode, plan, b)]
         rounds = None if mode == "sequential" else [a / x for a, x in zip(per_run[key0], per_run[(mode, plan, b)])]
         row = DecodeRow(
             mode=mode, plan="sequential" if plan is None else str(plan), block=b or None, ms_per_token=t,
-            tokens_per_s=1e3 / t, speedup=ms[key0] / t, matches_sequential=r.tokens == ref_tokens,
+            tokens_per_s=1e3 / t, speedup=ms[key0] / t,
+            # every timed run, as the median's: a run whose tokens differ is a row that does not match
+            matches_sequential=seq_agree and all(x.tokens == ref_tokens for x in rs),
             n_layer=model.config.n_layer, device=str(param.device), dtype=str(param.dtype).replace("torch.", ""),
             compile_s=seq.compile_s if plan is None else drafts[plan].compile_s + (seq.compile_s if b else 0.0),
             host_syncs=None if syncs is None else syncs[plan] + (syncs["verify"] if b else 0.0),
@@ -186,9 +190,14 @@ def _rows(model: GPT, results: dict, seq, drafts: dict, syncs: dict | None, comm
         if mode == "sequential":
             row.model_bytes = model_bytes(model)
             row.bandwidth_gb_s = row.model_bytes * row.tokens_per_s / 1e9
-        if mode == "speculative" and not r.examined:  # one new token (the prefill's): nothing drafted, so alpha,
+        # alpha and tokens/round over the same timed runs as the median times (pooled: accepted over examined
+        # drafts, tokens over rounds, of all of them), each run's alpha beside
+        examined = sum(x.examined for x in rs)
+        n_rounds = sum(x.rounds for x in rs)
+        tokens_per_round = sum(len(x.tokens) for x in rs) / n_rounds if n_rounds else float("nan")
+        if mode == "speculative" and not examined:  # one new token (the prefill's): nothing drafted, so alpha,
             # s and the ideal are not measured (None, said under the table) and the row keeps its timing only
-            row.tokens_per_round = r.tokens_per_round
+            row.tokens_per_round = tokens_per_round
         elif mode == "speculative":
             draft_ms = statistics.median(x.draft_ms_per_step for x in rs)
             # drafter speedup, like with like: sequential over drafter ms per cached single-token step
@@ -197,9 +206,10 @@ def _rows(model: GPT, results: dict, seq, drafts: dict, syncs: dict | None, comm
                         if x.draft_ms_per_step]  # a run that drafted nothing has no s
             for k, v in paired_fields("drafter_speedup", s_rounds).items():
                 setattr(row, k, v)
-            row.alpha, row.tokens_per_round = r.acceptance_rate, r.tokens_per_round
+            row.alpha, row.tokens_per_round = sum(x.accepted for x in rs) / examined, tokens_per_round
+            row.alpha_runs = [x.acceptance_rate if x.examined else None for x in rs]
             row.drafter_ms_per_step, row.sequential_ms_per_step = draft_ms, seq_step_ms
-            row.ideal_ssd_speedup = ideal_ssd_speedup(r.acceptance_rate, b, row.drafter_speedup_s)
+            row.ideal_ssd_speedup = ideal_ssd_speedup(row.alpha, b, row.drafter_speedup_s)
         rows.append(row)
     return rows
 
