@@ -48,6 +48,12 @@ print(steps if args.get("minutes") is None and args.get("steps") == steps else 0
 EOF
 }
 
+if [ -f "$DST/model.safetensors" ] && [ "$(steps_of "$DST")" != "$STEPS" ]; then
+  # a folder from other settings (or without its train_state.pt / train_summary.json) would be carried to the GPU
+  # as the lease's model, and its alpha would not be the prediction's: refuse it, never delete it
+  echo "lease_prep: $DST holds a model not trained by this script ($STEPS steps, no time budget): move it away" >&2
+  exit 1
+fi
 if [ ! -f "$DST/model.safetensors" ]; then
   src=""
   if [ -f runs/speedrun/idn/model.safetensors ] && [ "$(steps_of runs/speedrun/idn)" = "$STEPS" ]; then
