@@ -71,6 +71,10 @@ names the combination. A cell that is neither is a defect. The references are wr
   the training step's regulariser  the CE over all B rows + lambda x a fresh regulariser call (its own trace) on the
   on a row fraction (snlp train /  first ceil(F B) rows and their valid mask, gradients included (fp64; IDN, HCN, DiagN,
   sft --reg-rows F)                the SNLP-forward SFT step); refused: F outside (0, 1], an F that leaves no row
+  the logits' dtype (forward,      max(model dtype, fp32): fp32 for fp32 / bf16 / fp16 models, fp64 for an fp64 model
+  keep=, a cache, head(solve),     (whose logits equal the head written out in fp64 to 1e-12); the layer-parallel
+  bind, parallel_forward, fused_   runner's solve(...).logits and pipeline_forward the same (one gloo rank)
+  forward, the decode steps)
 
 Input forms: one prompt (list of ids), a (T,) tensor, a (1, T) tensor, a list of one, a ragged list, a (B, T) tensor,
 a (T,) numpy array, a (B, T) numpy array.
@@ -1577,3 +1581,84 @@ def test_causal_plan_cells_equal_the_full_suffix_copy(plan, windows):
             logp = torch.log_softmax(ref(wins[:, :-1]).double(), -1)
         nll = -logp.gather(-1, wins[:, 1:, None]).mean()
         assert rec.ppl == pytest.approx(math.exp(float(nll)), rel=1e-6) and rec.ppl != seq_rec.ppl
+
+
+# ----- the logits' dtype: max(model dtype, fp32) at every entry point that returns logits -----
+LOGITS_PLAN = "3xF1-h0-K3"  # K >= C: exact, so its logits equal the naive ones
+
+
+def logits_entries(m: GPT, idx: torch.Tensor) -> dict:
+    """Every entry point's logits for idx (B, T) on model m (the single-process ones)."""
+    from snlp.decode.steps import Step, sequential_fn, sequential_step, snlp_fn, snlp_step
+    from snlp.method.solver import solve
+    from snlp.model.cache import KVCache
+
+    def cached(step):
+        return step(idx, KVCache.for_model(m, batch=idx.shape[0]))  # sequence_len 32: room for the prefill pad
+
+    runner, loose = bind(m, LOGITS_PLAN), bind(m, LOGITS_PLAN, check_finite=False)
+    out = {"forward": m(idx), "forward keep=1": m(idx, keep=1), "forward cache": cached(lambda x, c: m(x, cache=c)),
+           "head(solve)": m.head(solve(m, idx, LOGITS_PLAN).hidden), "bind": runner(idx),
+           "bind keep=1": runner(idx, keep=1), "bind cache": cached(lambda x, c: runner(x, cache=c)),
+           "parallel_forward": parallel_forward(m, idx, LOGITS_PLAN), "fused_forward": fused_forward(m, idx, "3xF2-h0-K1"),
+           "sequential_step": cached(sequential_step(m)), "snlp_step": cached(snlp_step(loose)),
+           "Step sequential": cached(Step(sequential_fn(m), "cpu", compile=False)),
+           "Step snlp": cached(Step(snlp_fn(loose), "cpu", compile=False))}
+    if m.lm_head.weight.dtype == torch.float64:  # dynamo over the promote (the eager backend: no inductor build)
+        out["Step compiled"] = cached(Step(sequential_fn(m), "cpu", backend="eager"))
+    return out
+
+
+def _dist_logits_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from conftest import init_gloo
+
+    from snlp.dist.layer_parallel import DistributedSNLP
+
+    init_gloo(rank, world, port)
+    res = {}
+    for name, dt in (("fp64", torch.float64), ("bf16", torch.bfloat16)):
+        m = make_model(n_layer=6, dtype=dt)
+        runner = DistributedSNLP(m, LOGITS_PLAN, keep_layers=True)
+        idx = torch.randint(0, m.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
+        res[name] = {"solve": runner.solve(idx).logits, "pipeline_forward": runner.pipeline_forward(idx)}
+    torch.save(res, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_logits_are_fp32_at_least_and_fp64_in_an_fp64_model(dtype):
+    """GPT.head cast its logits to fp32: an fp64 model's logits were rounded to fp32 at every entry point, so no
+    fp64 reference could compare logits below fp32's round-off. The law: logits come in max(model dtype, fp32) from
+    the model's forward (keep=, a cache), head(solve(...)), a bound Runner, parallel_forward, fused_forward, every
+    decode step (eager, static-shape, compiled); an fp64 model's equal a naive fp64 computation of them."""
+    m = make_model(n_layer=6, dtype=DTYPES[dtype])
+    idx = torch.randint(0, m.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
+    want = torch.promote_types(DTYPES[dtype], torch.float32)
+    with torch.no_grad():
+        got = logits_entries(m, idx)
+    assert {k: v.dtype for k, v in got.items()} == {k: want for k in got}
+    if dtype == "fp64":  # the head written out in fp64 on the layers' output: RMSNorm, lm_head, softcap
+        with torch.no_grad():
+            ctx = m.embed(idx)
+            h = m.run_layers(ctx.x0, ctx, 0, m.config.n_layer)
+            eps = m.config.norm_eps or torch.finfo(torch.float64).eps
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (1 if m.ln_f is None else m.ln_f)
+            z = h @ m.lm_head.weight.T
+            c = m.config.softcap
+            naive = c * torch.tanh(z / c) if c > 0 else z
+        torch.testing.assert_close(got["forward"], naive, rtol=0, atol=1e-12)
+        for k in ("bind", "parallel_forward", "sequential_step", "Step sequential", "Step compiled"):
+            torch.testing.assert_close(got[k], naive, rtol=0, atol=1e-10, msg=k)
+
+
+def test_distributed_logits_are_fp32_at_least_and_fp64_in_an_fp64_model(tmp_path):
+    """The layer-parallel runner's logits (DistributedSNLP.solve(...).logits, pipeline_forward; one gloo rank) come
+    in max(model dtype, fp32), as the single-process entry points' (the head is the model's)."""
+    from conftest import spawn_ranks
+
+    spawn_ranks(_dist_logits_worker, 1, str(tmp_path))
+    res = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert {k: {e: t.dtype for e, t in v.items()} for k, v in res.items()} == {
+        "fp64": {"solve": torch.float64, "pipeline_forward": torch.float64},
+        "bf16": {"solve": torch.float32, "pipeline_forward": torch.float32}}
