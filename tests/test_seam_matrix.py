@@ -811,9 +811,9 @@ def test_runner_cell_equals_a_fresh_bind(kind, share, other, seed, ve, nano, win
         runner = bind(m, plan, share_weights=share)
         second = bind(m, other, share_weights=True) if other is not None and share else None
         for _ in range(2):  # as bound, then after an in-place update of every parameter (gates and norms included)
-            torch.testing.assert_close(runner(idx), expected(m, plan), rtol=1e-6, atol=1e-6)  # fp32 logits
+            torch.testing.assert_close(runner(idx), expected(m, plan), rtol=1e-10, atol=1e-10)  # fp64 logits
             if second is not None:
-                torch.testing.assert_close(second(idx), expected(m, other), rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(second(idx), expected(m, other), rtol=1e-10, atol=1e-10)
             gen = torch.Generator().manual_seed(seed + 1)
             for p in m.parameters():
                 noise = torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.05
@@ -889,11 +889,11 @@ def test_static_mhc_cells_equal_their_dynamic_twin(maps, windows):
     square = idx[:2, :6]  # a (B, T) tensor of prompts
     n = 6
     with torch.no_grad():
-        torch.testing.assert_close(m(idx), twin(idx), rtol=1e-6, atol=1e-6)  # fp64 states, fp32 logits
+        torch.testing.assert_close(m(idx), twin(idx), rtol=1e-10, atol=1e-10)  # fp64 states and logits
         for plan in MHC_PLANS:
             want = torch.cat([bind(twin, plan)(idx[i:i + 1]) for i in range(idx.shape[0])])
-            torch.testing.assert_close(bind(m, plan)(idx), want, rtol=1e-6, atol=1e-6, msg=plan)
-            torch.testing.assert_close(parallel_forward(m, idx, plan), want, rtol=1e-6, atol=1e-6, msg=plan)
+            torch.testing.assert_close(bind(m, plan)(idx), want, rtol=1e-10, atol=1e-10, msg=plan)
+            torch.testing.assert_close(parallel_forward(m, idx, plan), want, rtol=1e-10, atol=1e-10, msg=plan)
     loop = [argmax_loop(twin, p, n) for p in prompts]
     assert [r.tokens for r in sequential_generate(m, prompts, max_new_tokens=n)] == loop
     for plan in MHC_PLANS:
@@ -1210,7 +1210,7 @@ def test_compiled_entry_points_equal_their_references(name):
         with torch.no_grad():
             want = torch.cat([bind(m, plan)(idx[i:i + 1]) for i in range(2)])
             got = torch.compile(bind(m, plan, check_finite=False), fullgraph=True)(idx)
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # fp64 states, fp32 logits
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # fp64 (inductor's kernels)
         return
     loop = [argmax_loop(m, p, n) for p in prompts]
     if entry == "sequential":
