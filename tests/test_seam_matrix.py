@@ -78,6 +78,10 @@ names the combination. A cell that is neither is a defect. The references are wr
   the training step's regulariser  the CE over all B rows + lambda x a fresh regulariser call (its own trace) on the
   on a row fraction (snlp train /  first ceil(F B) rows and their valid mask, gradients included (fp64; IDN, HCN, DiagN,
   sft --reg-rows F)                the SNLP-forward SFT step); refused: F outside (0, 1], an F that leaves no row
+  the logits' dtype (forward,      max(model dtype, fp32): fp32 for fp32 / bf16 / fp16 models, fp64 for an fp64 model
+  keep=, a cache, head(solve),     (whose logits equal the head written out in fp64 to 1e-12); the layer-parallel
+  bind, parallel_forward, fused_   runner's solve(...).logits and pipeline_forward the same (one gloo rank)
+  forward, the decode steps)
 
 Input forms: one prompt (list of ids), a (T,) tensor, a (1, T) tensor, a list of one, a ragged list, a (B, T) tensor,
 a (T,) numpy array, a (B, T) numpy array.
@@ -815,9 +819,9 @@ def test_runner_cell_equals_a_fresh_bind(kind, share, other, seed, ve, nano, win
         runner = bind(m, plan, share_weights=share)
         second = bind(m, other, share_weights=True) if other is not None and share else None
         for _ in range(2):  # as bound, then after an in-place update of every parameter (gates and norms included)
-            torch.testing.assert_close(runner(idx), expected(m, plan), rtol=1e-6, atol=1e-6)  # fp32 logits
+            torch.testing.assert_close(runner(idx), expected(m, plan), rtol=1e-10, atol=1e-10)  # fp64 logits
             if second is not None:
-                torch.testing.assert_close(second(idx), expected(m, other), rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(second(idx), expected(m, other), rtol=1e-10, atol=1e-10)
             gen = torch.Generator().manual_seed(seed + 1)
             for p in m.parameters():
                 noise = torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.05
@@ -848,7 +852,8 @@ def test_evaluate_cells_equal_their_references(model):
         for fn, rec in rows:
             logp = torch.log_softmax(fn(wins[:, :-1]).double(), -1)
             nll = -logp.gather(-1, wins[:, 1:, None]).mean()
-            assert rec.ppl == pytest.approx(math.exp(float(nll)), rel=1e-6), rec.plan  # fp32 logits, fp32 sums
+            # fp64 model: fp64 logits and NLL sums (fp32 logits held this to 1e-6)
+            assert rec.ppl == pytest.approx(math.exp(float(nll)), rel=1e-10), rec.plan
 
 
 # ----------------------------------------------------------------------------- static mHC (fixed cells)
@@ -892,11 +897,11 @@ def test_static_mhc_cells_equal_their_dynamic_twin(maps, windows):
     square = idx[:2, :6]  # a (B, T) tensor of prompts
     n = 6
     with torch.no_grad():
-        torch.testing.assert_close(m(idx), twin(idx), rtol=1e-6, atol=1e-6)  # fp64 states, fp32 logits
+        torch.testing.assert_close(m(idx), twin(idx), rtol=1e-10, atol=1e-10)  # fp64 states and logits
         for plan in MHC_PLANS:
             want = torch.cat([bind(twin, plan)(idx[i:i + 1]) for i in range(idx.shape[0])])
-            torch.testing.assert_close(bind(m, plan)(idx), want, rtol=1e-6, atol=1e-6, msg=plan)
-            torch.testing.assert_close(parallel_forward(m, idx, plan), want, rtol=1e-6, atol=1e-6, msg=plan)
+            torch.testing.assert_close(bind(m, plan)(idx), want, rtol=1e-10, atol=1e-10, msg=plan)
+            torch.testing.assert_close(parallel_forward(m, idx, plan), want, rtol=1e-10, atol=1e-10, msg=plan)
     loop = [argmax_loop(twin, p, n) for p in prompts]
     assert [r.tokens for r in sequential_generate(m, prompts, max_new_tokens=n)] == loop
     for plan in MHC_PLANS:
@@ -1102,7 +1107,7 @@ def test_hf_sliding_window_conversion_at_every_entry_point(case, tmp_path):
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(0, 97, (2, 20), generator=gen)
     with torch.no_grad():
-        ref = hf(x).logits.float()
+        ref = hf(x).logits  # fp64, as ours
         torch.testing.assert_close(model(x), ref, rtol=0, atol=1e-6)
         for plan in ("4xF1-h0-K4", "2xF1-fwd-K2", "3xF1-h0-K3"):
             torch.testing.assert_close(bind(model, plan)(x), ref, rtol=0, atol=1e-6, msg=plan)
@@ -1213,7 +1218,7 @@ def test_compiled_entry_points_equal_their_references(name):
         with torch.no_grad():
             want = torch.cat([bind(m, plan)(idx[i:i + 1]) for i in range(2)])
             got = torch.compile(bind(m, plan, check_finite=False), fullgraph=True)(idx)
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # fp64 states, fp32 logits
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # fp64 (inductor's kernels)
         return
     loop = [argmax_loop(m, p, n) for p in prompts]
     if entry == "sequential":
@@ -1390,7 +1395,7 @@ def test_window_kernel_is_invisible_at_every_entry_point(kind, seed, nano, patte
             ref_dec = [r.tokens for r in snlp_generate(m, prompts, plan, max_new_tokens=4)] if kind != "diag" else None
             set_window_kernel("banded")
             got = (m(idx), bind(m, plan, share_weights=share)(idx), parallel_forward(m, idx, plan))
-            for a, b in zip(got, ref):  # fp64 states, fp32 logits (the head's softcap runs in fp32)
+            for a, b in zip(got, ref):  # fp64 states and logits; the kernels sum attention in other orders
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
             if ref_dec is not None:
                 assert [r.tokens for r in snlp_generate(m, prompts, plan, max_new_tokens=4)] == ref_dec
@@ -1778,3 +1783,84 @@ def test_unverified_jacobi_prefills_the_prompt_with_the_model():
         assert jacobi_generate(m, prompt, plan, block=3, max_new_tokens=n, verify=False).tokens == model_loop
         warm = jacobi_generate(m, prompt, plan, block=3, max_new_tokens=n, verify=False, warm_start=True).tokens
         assert (warm == model_loop) == exact, plan
+
+
+# ----- the logits' dtype: max(model dtype, fp32) at every entry point that returns logits -----
+LOGITS_PLAN = "3xF1-h0-K3"  # K >= C: exact, so its logits equal the naive ones
+
+
+def logits_entries(m: GPT, idx: torch.Tensor) -> dict:
+    """Every entry point's logits for idx (B, T) on model m (the single-process ones)."""
+    from snlp.decode.steps import Step, sequential_fn, sequential_step, snlp_fn, snlp_step
+    from snlp.method.solver import solve
+    from snlp.model.cache import KVCache
+
+    def cached(step):
+        return step(idx, KVCache.for_model(m, batch=idx.shape[0]))  # sequence_len 32: room for the prefill pad
+
+    runner, loose = bind(m, LOGITS_PLAN), bind(m, LOGITS_PLAN, check_finite=False)
+    out = {"forward": m(idx), "forward keep=1": m(idx, keep=1), "forward cache": cached(lambda x, c: m(x, cache=c)),
+           "head(solve)": m.head(solve(m, idx, LOGITS_PLAN).hidden), "bind": runner(idx),
+           "bind keep=1": runner(idx, keep=1), "bind cache": cached(lambda x, c: runner(x, cache=c)),
+           "parallel_forward": parallel_forward(m, idx, LOGITS_PLAN), "fused_forward": fused_forward(m, idx, "3xF2-h0-K1"),
+           "sequential_step": cached(sequential_step(m)), "snlp_step": cached(snlp_step(loose)),
+           "Step sequential": cached(Step(sequential_fn(m), "cpu", compile=False)),
+           "Step snlp": cached(Step(snlp_fn(loose), "cpu", compile=False))}
+    if m.lm_head.weight.dtype == torch.float64:  # dynamo over the promote (the eager backend: no inductor build)
+        out["Step compiled"] = cached(Step(sequential_fn(m), "cpu", backend="eager"))
+    return out
+
+
+def _dist_logits_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from conftest import init_gloo
+
+    from snlp.dist.layer_parallel import DistributedSNLP
+
+    init_gloo(rank, world, port)
+    res = {}
+    for name, dt in (("fp64", torch.float64), ("bf16", torch.bfloat16)):
+        m = make_model(n_layer=6, dtype=dt)
+        runner = DistributedSNLP(m, LOGITS_PLAN, keep_layers=True)
+        idx = torch.randint(0, m.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
+        res[name] = {"solve": runner.solve(idx).logits, "pipeline_forward": runner.pipeline_forward(idx)}
+    torch.save(res, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_logits_are_fp32_at_least_and_fp64_in_an_fp64_model(dtype):
+    """GPT.head cast its logits to fp32: an fp64 model's logits were rounded to fp32 at every entry point, so no
+    fp64 reference could compare logits below fp32's round-off. The law: logits come in max(model dtype, fp32) from
+    the model's forward (keep=, a cache), head(solve(...)), a bound Runner, parallel_forward, fused_forward, every
+    decode step (eager, static-shape, compiled); an fp64 model's equal a naive fp64 computation of them."""
+    m = make_model(n_layer=6, dtype=DTYPES[dtype])
+    idx = torch.randint(0, m.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
+    want = torch.promote_types(DTYPES[dtype], torch.float32)
+    with torch.no_grad():
+        got = logits_entries(m, idx)
+    assert {k: v.dtype for k, v in got.items()} == {k: want for k in got}
+    if dtype == "fp64":  # the head written out in fp64 on the layers' output: RMSNorm, lm_head, softcap
+        with torch.no_grad():
+            ctx = m.embed(idx)
+            h = m.run_layers(ctx.x0, ctx, 0, m.config.n_layer)
+            eps = m.config.norm_eps or torch.finfo(torch.float64).eps
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (1 if m.ln_f is None else m.ln_f)
+            z = h @ m.lm_head.weight.T
+            c = m.config.softcap
+            naive = c * torch.tanh(z / c) if c > 0 else z
+        torch.testing.assert_close(got["forward"], naive, rtol=0, atol=1e-12)
+        for k in ("bind", "parallel_forward", "sequential_step", "Step sequential", "Step compiled"):
+            torch.testing.assert_close(got[k], naive, rtol=0, atol=1e-10, msg=k)
+
+
+def test_distributed_logits_are_fp32_at_least_and_fp64_in_an_fp64_model(tmp_path):
+    """The layer-parallel runner's logits (DistributedSNLP.solve(...).logits, pipeline_forward; one gloo rank) come
+    in max(model dtype, fp32), as the single-process entry points' (the head is the model's)."""
+    from conftest import spawn_ranks
+
+    spawn_ranks(_dist_logits_worker, 1, str(tmp_path))
+    res = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert {k: {e: t.dtype for e, t in v.items()} for k, v in res.items()} == {
+        "fp64": {"solve": torch.float64, "pipeline_forward": torch.float64},
+        "bf16": {"solve": torch.float32, "pipeline_forward": torch.float32}}

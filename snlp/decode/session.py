@@ -247,7 +247,8 @@ class Sampling:
         return self.temperature == 0
 
     def probs(self, logits: Tensor) -> Tensor:
-        """The sampled distribution (..., V) in float32 from logits (..., V)."""
+        """The sampled distribution (..., V) in float32 from logits (..., V), an fp64 model's fp64 logits too:
+        transformers' generate samples from a float32 copy of the logits whatever the model's dtype."""
         x = logits.float() / self.temperature
         if 0 < self.top_k < x.shape[-1]:  # transformers: remove logits below the k-th largest (its ties stay)
             x = x.masked_fill(x < torch.topk(x, self.top_k, dim=-1).values[..., -1:], -torch.inf)

@@ -565,7 +565,7 @@ def _round(ses: BatchSession, draft_fwd, verify_fwd, last: Tensor | None, want: 
         if q is not None:
             qs.append(q)
         if min_confidence:  # the drafted token's probability: the top-1 when greedy, the sampled one's when sampling
-            probs = torch.softmax(logits.float(), -1) if q is None else q
+            probs = torch.softmax(logits.float(), -1) if q is None else q  # float32, as q (Sampling.probs)
             confs.append(probs.gather(-1, x)[:, 0].double())  # (B,); float64: compared as the host compares below
             conf = confs[-1].tolist()  # one read per drafter step
             for j in range(B):

@@ -473,8 +473,8 @@ class SNLPLM(TemplateLM):
             h = self._hidden(x, [len(r) for r in rows])  # (B, T, [n,] D)
             for (req, ctx, cont), row, hb in zip(chunk, rows, h):
                 n = len(cont)
-                # the head only where a continuation token is predicted: (1, n, V); the head's logits are fp32,
-                # their log-softmax is taken in fp64 so that sums over long continuations lose nothing
+                # the head only where a continuation token is predicted: (1, n, V); the head's logits are fp32 (fp64 in
+                # an fp64 model), their log-softmax is taken in fp64 so that sums over long continuations lose nothing
                 with torch.inference_mode():
                     logp = F.log_softmax(self.forward_model.head(hb[None, len(row) - n:len(row)]).double(), -1)
                 greedy = logp.argmax(-1)

@@ -86,8 +86,8 @@ def encode_pair(tokenizer, ctx: str, cont: str) -> tuple[list[int], list[int]]:
 def loglikelihoods(model: GPT, tokenizer, questions: list[Question], method: Plan | None,
                    shots: list[list[Question]] | None = None, batch: int = 16, max_len: int | None = None,
                    preheat: Preheat | None = None) -> list[list[float]]:
-    """Summed log-probability of each choice's continuation given its context, per question (fp32),
-    under the sequential forward (method None) or a plan. Raises SNLPDivergenceError if the plan's
+    """Summed log-probability of each choice's continuation given its context, per question (fp32; fp64 for an
+    fp64 model), under the sequential forward (method None) or a plan. Raises SNLPDivergenceError if the plan's
     solve turns NaN/inf."""
     dev = model.wte.weight.device
     shots = shots or [[] for _ in questions]
@@ -116,7 +116,7 @@ def loglikelihoods(model: GPT, tokenizer, questions: list[Question], method: Pla
                         [len(it[1]) for it in chunk])  # (B, T, [n,] D)
         for b, (qi, inp, cont) in enumerate(chunk):
             pos = torch.arange(len(inp) - len(cont), len(inp), device=dev)  # positions predicting cont
-            logp = F.log_softmax(model.head(h[b:b + 1, pos]).float(), -1)[0]  # (n, V)
+            logp = F.log_softmax(model.head(h[b:b + 1, pos]), -1)[0]  # (n, V): the head's fp32, fp64 for an fp64 model
             total = logp.gather(-1, torch.tensor(cont, device=dev)[:, None]).sum()
             if not torch.isfinite(total):  # the sequential forward is not checked by a runner
                 raise nonfinite(method, "log-likelihood")

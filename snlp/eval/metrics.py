@@ -34,14 +34,18 @@ def top1_agreement(logits: Tensor, ref_logits: Tensor) -> float:
 
 
 def logit_sim(logits: Tensor, ref_logits: Tensor) -> float:
-    """Mean over positions of the cosine between logit vectors, in fp32. logits, ref_logits (..., V)."""
+    """Mean over positions of the cosine between logit vectors, in fp32 (fp64 for fp64 logits). logits, ref_logits
+    (..., V)."""
     _same_shape(logits, ref_logits)
     return cosine(logits, ref_logits).double().mean().item()  # cosine (...) -> mean
 
 
 def cosine(a, b) -> Tensor:
-    """Cosine similarity along the last dim in fp32: a, b (..., D) -> (...), e.g. of sentence embeddings."""
-    a, b = torch.as_tensor(a).float(), torch.as_tensor(b).float()
+    """Cosine similarity along the last dim in fp32, fp64 where an input is fp64 (an fp64 model's logits: 1 - cos of
+    a near-exact plan is far below fp32's 6e-8): a, b (..., D) -> (...), e.g. of sentence embeddings."""
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    dt = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    a, b = a.to(dt), b.to(dt)
     _same_shape(a, b)
     return F.cosine_similarity(a, b, dim=-1)
 

@@ -201,7 +201,7 @@ def teacher_forced(model: GPT, wins: Tensor, plans: list[Plan], cfg: EvalConfig,
                 if name in diverged:
                     continue
                 try:
-                    logits = fn(x)  # (B, T, V) fp32
+                    logits = fn(x)  # (B, T, V) fp32, fp64 for an fp64 model
                 except SNLPDivergenceError:
                     diverged.add(name)
                     continue

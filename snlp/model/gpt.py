@@ -446,14 +446,17 @@ class GPT(nn.Module):
         return self.blocks[l](h, ve, ctx.cos, ctx.sin, masks=masks, hc=hc)
 
     def head(self, h: Tensor, keep: int | None = None) -> Tensor:
-        """Final norm, lm_head and tanh softcap: h_L (B,T,D) -> logits (B,T,V) in fp32. With mHC,
-        h_L (B,T,n,D) is first reduced by summing the streams. `keep`: the last `keep` positions only (B, keep, V),
-        checked by the caller before its forward (`check_keep`)."""
+        """Final norm, lm_head and tanh softcap: h_L (B,T,D) -> logits (B,T,V) in fp32, fp64 in an fp64 model
+        (max(model dtype, fp32)). With mHC, h_L (B,T,n,D) is first reduced by summing the streams. `keep`: the last
+        `keep` positions only (B, keep, V), checked by the caller before its forward (`check_keep`)."""
         if keep is not None:
             h = h[:, h.shape[1] - keep:]
         if self.config.hc_streams:
             h = h.sum(-2)
-        logits = self.lm_head(norm(h, self.ln_f, self.config.norm_eps)).float()
+        logits = self.lm_head(norm(h, self.ln_f, self.config.norm_eps))
+        # fp32 at least (bf16 / fp16 logits lose the softcap's and the softmax's precision); an fp64 model keeps fp64,
+        # so fp64 references compare logits, not their fp32 rounding
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         c = self.config.softcap
         return c * torch.tanh(logits / c) if c > 0 else logits
 

@@ -46,6 +46,15 @@ def test_filtered_distribution_equals_transformers_warpers(seed, V, rows, ties, 
     assert ((got > 0).sum(-1) >= 1).all()
 
 
+def test_an_fp64_models_logits_sample_from_transformers_float32_copy():
+    """An fp64 model's logits are fp64 (GPT.head); transformers' generate samples from a float32 copy of the logits
+    whatever the model's dtype, and so does Sampling.probs: float32, equal to the warpers on that copy."""
+    logits = torch.randn(3, 30, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 3
+    got = Sampling(0.7, 5, 0.9).probs(logits)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, hf_probs(logits, 0.7, 5, 0.9), rtol=0, atol=0)
+
+
 def test_decoders_sample_from_the_filtered_distribution():
     """The first sampled token of sequential, SNLP (K >= C, M = 1: the model itself) and self-speculative decoding
     follows the filtered distribution of a naive full forward (4 sigma per token). N copies of the prompt decode as

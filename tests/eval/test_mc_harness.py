@@ -315,3 +315,25 @@ def test_mc_scores_do_not_depend_on_the_batch(plan):
     torch.testing.assert_close(torch.tensor([x for q in via for x in q], dtype=torch.float64),
                                torch.tensor([x for q in loglikelihoods(model, tok, BATCH_QS, p, batch=8) for x in q],
                                             dtype=torch.float64), atol=1e-4, rtol=0)
+
+
+def test_harness_copy_log_likelihoods_of_an_fp64_model_are_fp64():
+    """The harness copy took its log-softmax of `model.head(...).float()`: an fp64 model's log-likelihoods came out
+    rounded to fp32 (errors ~1e-6 nats against fp64). Now the head's logits are taken as they are (fp32 at least,
+    fp64 for an fp64 model): the scores equal a naive fp64 reference, the full forward's log-softmax summed over each
+    continuation, to fp64 round-off."""
+    from conftest import make_model
+
+    from snlp.eval.mc_harness import TARGET_DELIMITER, context, encode_pair
+
+    tok = Tokenizer.train(["Which number is largest? Multiple Choice question: the colour red. " * 4]
+                          + [letter_prompt(q) for q in BATCH_QS] * 3, 300)
+    model = make_model(vocab_size=tok.vocab_size, n_layer=4, sequence_len=256, window_pattern="L")  # fp64
+    got = loglikelihoods(model, tok, BATCH_QS, None, batch=4)
+    for q, scores in zip(BATCH_QS, got):
+        for c, s in zip(q.choices, scores):
+            ctx, cont = encode_pair(tok, context(q, []), TARGET_DELIMITER + c)
+            with torch.no_grad():
+                logp = torch.log_softmax(model(torch.tensor([ctx + cont[:-1]]))[0], -1)  # (T, V), fp64
+            want = float(sum(logp[len(ctx) - 1 + i, t] for i, t in enumerate(cont)))
+            assert abs(s - want) < 1e-10, (q.question, c, s - want)

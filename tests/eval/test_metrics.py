@@ -66,6 +66,20 @@ def test_cosine_hand_examples():
     assert rows.shape == (2,) and rows.tolist() == pytest.approx([1.0, 0.0], abs=1e-7)
 
 
+def test_logit_sim_of_fp64_logits_is_taken_in_fp64():
+    """cosine cast its inputs to fp32: an fp64 model's LogitSim (its logits are fp64) was rounded to fp32, whose
+    error (~1e-7) is larger than 1 - cos of a plan off by 1e-5. Now it is taken in fp64 there: it equals a naive
+    fp64 cosine; fp32 / bf16 inputs still compute in fp32."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 5, 50, generator=g, dtype=torch.float64)
+    b = a + 1e-5 * torch.randn(3, 5, 50, generator=g, dtype=torch.float64)
+    naive = (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))  # (3, 5)
+    assert cosine(a, b).dtype == torch.float64
+    torch.testing.assert_close(cosine(a, b), naive, rtol=0, atol=1e-14)
+    assert abs(logit_sim(a, b) - naive.mean().item()) < 1e-14
+    assert cosine(a.bfloat16(), b.float()).dtype == torch.float32
+
+
 def test_ar_match_counts_positions_without_resynchronising():
     ref = [[1, 2, 3, 4], [5, 6, 7, 8]]
     assert ar_match(ref, ref) == 1.0

@@ -76,7 +76,7 @@ def test_sequential_logits_equal_transformers(family):
     hf64 = hf.double()
     m64, _ = from_hf(hf64)
     with torch.no_grad():
-        torch.testing.assert_close(m64(x), hf64(x).logits.float(), atol=1e-6, rtol=0)  # head: fp32 logits
+        torch.testing.assert_close(m64(x), hf64(x).logits, atol=1e-6, rtol=0)  # both fp64 logits
 
 
 def test_windows_and_rope_are_real():
@@ -104,7 +104,7 @@ def test_fused_plans_exact(family):
             hid = solve(model, x, plan).hidden
             torch.testing.assert_close(hid, fused_sequential(model, x, plan).hidden, atol=1e-10, rtol=0)
             if plan.fuse == 1:
-                torch.testing.assert_close(model.head(hid), ref.float(), atol=1e-6, rtol=0)
+                torch.testing.assert_close(model.head(hid), ref, atol=1e-6, rtol=0)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -129,7 +129,7 @@ def test_fused_chunk_m1_is_the_layer(family, tied, window, fuse, seed):
             h = chunk_forward(w.chunk(c), h.unsqueeze(0), ctx)[0]
         ref = hf(x, output_hidden_states=True).hidden_states
         if fuse == 1:  # transformers' hidden_states[-1] has the final norm applied; compare the logits instead
-            torch.testing.assert_close(model.head(h), hf(x).logits.float(), atol=1e-6, rtol=0)
+            torch.testing.assert_close(model.head(h), hf(x).logits, atol=1e-6, rtol=0)
             h1 = chunk_forward(w.chunk(0), ctx.x0.unsqueeze(0), ctx)[0]
             torch.testing.assert_close(h1, ref[1], atol=1e-6, rtol=0)
 
@@ -624,7 +624,7 @@ def test_linear_rope_scaling_and_swish_convert_exactly_and_export_back(tmp_path)
     with torch.no_grad():
         assert (hf(x).logits - hf_tiny("llama", layers=2, dtype=torch.float64)(x).logits).abs().max() > 1e-3  # real
         model, _ = from_hf(hf)
-        torch.testing.assert_close(model(x), hf(x).logits.float(), atol=1e-6, rtol=0)
+        torch.testing.assert_close(model(x), hf(x).logits, atol=1e-6, rtol=0)
         re = transformers.AutoModelForCausalLM.from_pretrained(str(export_hf(model, tmp_path / "exp"))).eval()
         torch.testing.assert_close(re(x).logits, hf(x).logits, atol=1e-10, rtol=0)
     hf_tiny("qwen2", layers=2).save_pretrained(str(tmp_path / "legacy"))
