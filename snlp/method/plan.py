@@ -22,6 +22,7 @@ the model, so `exact_iters` is None for it (no K is exact) and `converged_iters`
 from __future__ import annotations
 
 import math
+import numbers
 import re
 import unicodedata
 import warnings
@@ -289,6 +290,9 @@ class Plan:
                              f"Grammar: {GRAMMAR}")
         if not text.strip():
             raise ValueError(f"empty plan string. Grammar: {GRAMMAR}")
+        if n_layer is not None and (isinstance(n_layer, bool) or not isinstance(n_layer, numbers.Integral)):
+            # True is an int: it was read as a 1-layer model ("the model has only L = True")
+            raise ValueError(f"n_layer is the model's layer count, an int; got {type(n_layer).__name__} {n_layer!r}")
         _check_ascii(text)
         space = re.search(r"\s", text.strip())
         if space:  # float() reads ' .25' as 0.25 and the head's $ matches before a newline: spaced plans would parse

@@ -139,3 +139,15 @@ def test_parse_plans_of_a_list_says_it_reads_one_string():
     with pytest.raises(ValueError, match=r"parse_plans reads one comma-separated string .* got list"):
         parse_plans(["4xF1", "2xF2"], 8)
     assert [str(p) for p in parse_plans("4xF1,2xF2", 8)] == ["4xF1-h0-K1", "2xF2-h0-K1"]
+
+
+@pytest.mark.parametrize("n_layer", [True, 8.0, "8"])
+def test_n_layer_that_is_not_an_integer_is_refused(n_layer):
+    """Plan.parse("2xF2", True) read True as a 1-layer model ("the model has only L = True")."""
+    with pytest.raises(ValueError, match=r"n_layer is the model's layer count, an int; got"):
+        Plan.parse("2xF2", n_layer)
+
+
+def test_n_layer_of_any_integer_type_is_taken():
+    import numpy as np
+    assert str(Plan.parse("2xF2", np.int64(8))) == str(Plan.parse("2xF2", 8)) == "2xF2-h0-K1"
