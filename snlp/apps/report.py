@@ -735,10 +735,11 @@ def adaptation_lines(a: dict | None) -> list[str]:
     # each drafter's decode is timed apart, over `reps` rounds: below the sign test's fewest rounds nothing resolves
     untested = (f" ({reps} timed round{'s' if reps != 1 else ''} each, too few for the sign test to tell either "
                 "from 1.00x or the two apart)" if sign_test_wins(reps) is None else "")
+    ssd = lambda rec: _num(None if rec.get("top1_ssd") is None else 100 * rec["top1_ssd"], "{:.1f} %")  # noqa: E731
     return [f"\nA {a['minutes']:.1f}-minute `snlp adapt` of the {a['plan']} drafter ({a['steps']} steps, "
             f"{a['tokens']:,} tokens; the model itself unchanged, it verifies): Top-1 agreement with the model "
             f"{100 * b['top1']:.1f} % -> {100 * f['top1']:.1f} % (teacher-forced SNLP window), "
-            f"{100 * b['top1_ssd']:.1f} % -> {100 * f['top1_ssd']:.1f} % under self-speculative conditions; SSD at "
+            f"{ssd(b)} -> {ssd(f)} under self-speculative conditions; SSD at "
             f"B = {a['block']} over {n}: acceptance alpha {post['alpha']:.3f} -> {ad['alpha']:.3f}, decode speed "
             f"{_num(post.get('measured_speedup'), '{:.2f}x')} -> {_num(ad.get('measured_speedup'), '{:.2f}x')} "
             f"sequential{untested} (the verifier makes the output the model's whatever the drafter: "

@@ -248,7 +248,7 @@ class AdaptValidation(ValidationResult):
     metric: pure SNLP forward) and under SSD conditions (`top1_ssd`, what a first draft step sees)."""
 
     top1: float = 0.0
-    top1_ssd: float = 0.0
+    top1_ssd: float | None = 0.0  # None: a plan ssd_solve does not cover (kv="own" only), not measured
     mse: float = 0.0
 
     def record(self) -> dict:
@@ -372,7 +372,7 @@ def validate_drafter(base: GPT, drafter: Drafter, batches, cfg: AdaptConfig, dev
     kl = mse = top1 = top1_ssd = 0.0
     try:
         modes = KV_MODES if check_ssd_plan(drafter.plan) else ()
-    except ValueError:  # a plan ssd_solve does not cover (kv="own" only): no SSD-conditions metric (reported 0)
+    except ValueError:  # a plan ssd_solve does not cover (kv="own" only): no SSD-conditions metric (None)
         modes = ("own",)
     for x, w in ((xb[cut], xb[cut].size(0) / xb.size(0)) for xb, _ in batches for cut in row_slices(xb.size(0), rows)):
         x = x.to(device)
@@ -388,7 +388,8 @@ def validate_drafter(base: GPT, drafter: Drafter, batches, cfg: AdaptConfig, dev
         top1_ssd += outs["exact"][2] * w
     drafter.model.train(was)
     n = len(batches)
-    return AdaptValidation(loss=kl / n, top1=top1 / n, top1_ssd=top1_ssd / n, mse=mse / n)
+    return AdaptValidation(loss=kl / n, top1=top1 / n, top1_ssd=top1_ssd / n if "exact" in modes else None,
+                           mse=mse / n)
 
 
 def train_config(cfg: AdaptConfig, width: int) -> TrainConfig:

@@ -248,7 +248,9 @@ def set_aside_unsaved_log(log: Path) -> Path | None:
     return aside
 
 
-LOG_NOT_FLOATS = ("step", "stop", "mfu")  # the log.jsonl keys that are not a float the step measured (mfu: null = none)
+# the log.jsonl keys whose null is not a NaN the step measured: mfu null = no known peak; top1_ssd null = a drafter
+# plan ssd_solve does not cover (snlp.train.adapt.validate_drafter), Top-1 itself is never NaN
+LOG_NOT_FLOATS = ("step", "stop", "mfu", "top1_ssd")
 
 
 def log_record(line: str) -> dict | None:

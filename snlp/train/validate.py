@@ -35,7 +35,7 @@ class ValidationResult:
                 **{f"gap_N{n}": g for n, g in self.gaps.items()}}
 
     def __str__(self) -> str:
-        return " ".join(f"{k} {v:.4f}" for k, v in self.record().items())
+        return " ".join(f"{k} {v:.4f}" if v is not None else f"{k} -" for k, v in self.record().items())
 
 
 def row_slices(n: int, rows: int | None) -> list[slice]:

@@ -726,7 +726,25 @@ def test_adapt_own_kv_with_a_plan_ssd_does_not_cover(tmp_path):
     with pytest.raises(ValueError, match="SSD-conditions training supports"):
         adapt(adapt_cfg(tmp_path, plan="2xF1-h0-K1-diag", steps=2))
     res = adapt(adapt_cfg(tmp_path, plan="2xF1-h0-K1-diag", kv="own", steps=3, eval_every=3))
-    assert res.steps == 3 and res.after["top1_ssd"] == 0.0 and res.after["top1"] > 0
+    assert res.steps == 3 and res.after["top1_ssd"] is None and res.after["top1"] > 0  # not measured, never 0
+
+
+def test_cli_adapt_says_when_the_ssd_conditions_top1_was_not_measured(tmp_path, monkeypatch, capsys):
+    """A plan ssd_solve does not cover has no SSD-conditions Top-1: the end-of-run line printed "SSD conditions
+    0.0 -> 0.0 %", and log.jsonl / --json said 0."""
+    import json
+
+    from snlp.apps.cli import main
+
+    tiny_ckpt(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert main(["adapt", "base", "--plan", "2xF1-h0-K1-diag", "--kv", "own", "--data", "text.txt", "--steps", "2",
+                 "--seq-len", "24", "--batch-size", "2", "--eval-every", "2", "--eval-batches", "1", "--out", "d",
+                 "--json", "d.json", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "SSD conditions not measured for this plan" in out and "SSD conditions 0.0" not in out
+    rec = json.loads((tmp_path / "d.json").read_text())
+    assert rec["before"]["top1_ssd"] is None and rec["after"]["top1_ssd"] is None and rec["after"]["top1"] > 0
 
 
 # ------------------------------------------------------------------------------------------- LoRA drafters
