@@ -261,6 +261,9 @@ class TuneResult:
     stage1_s: float = 0.0
     stage2_s: float = 0.0
     pick_rule: dict[str, str] = field(default_factory=dict)  # goal -> how the pick was made (best measured / tie rule)
+    # goal -> True where the paired rounds told the pick from none of the candidates the tie rule chose among (the
+    # rule's text starts "tie:"), False where its lead is resolved; for readers of --json that do not parse the text
+    pick_tie: dict[str, bool] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -771,7 +774,7 @@ def _result(model: GPT, cfg: TuneConfig, quality, acceptance, costs, cands, s1: 
     return TuneResult(config=cfg, n_layer=model.config.n_layer, device=str(p.device),
                       dtype=str(p.dtype).replace("torch.", ""), quality=quality, acceptance=acceptance, costs=costs, candidates=cands,
                       picks=picks, grid_best=best, pick_vs_best=ratio, notes=notes, stage1_s=s1, stage2_s=s2,
-                      pick_rule=rules)
+                      pick_rule=rules, pick_tie={g: r.startswith("tie:") for g, r in rules.items()})
 
 
 def _f(x, fmt: str) -> str:

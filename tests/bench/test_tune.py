@@ -511,3 +511,12 @@ def test_pick_over_grid_best_says_whether_the_rounds_resolve_the_grid_bests_lead
     b.measured_speedup, b.tokens_per_s = 1.55, 155.0
     line = summary(_result(model, TuneConfig(full_grid=True), [], [], [], [a, b], 0.0, 0.0))[0]
     assert "(resolved: the grid best faster in 6 of 6 paired rounds)" in line, line
+
+
+def test_the_json_says_whether_each_pick_was_a_tie(grid):
+    """`snlp tune --json` said a tie only inside pick_rule's text; pick_tie is the flag, per goal."""
+    _, r = grid
+    d = r.to_dict()
+    assert set(d["pick_tie"]) == set(d["pick_rule"]) and d["pick_tie"]
+    for g, rule in d["pick_rule"].items():
+        assert d["pick_tie"][g] is rule.startswith("tie:")

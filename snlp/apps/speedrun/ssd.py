@@ -111,6 +111,7 @@ def stage_ssd(model_dir: Path, val: torch.Tensor, eval_records: list, preset: Pr
     chose = {"proxy_drafter": proxy.plan if proxy else None, "candidates": scored}
     if tuned is not None:
         chose.update({"tune": tune_rows(tuned), "pick_rule": tuned.pick_rule.get("ssd", ""),
+                      "pick_tie": tuned.pick_tie.get("ssd"),
                       "tune_notes": list(tuned.notes), "tune_s": tuned.stage1_s + tuned.stage2_s,
                       "tune_prompts": preset.tune_prompts, "tune_accept_tokens": preset.tune_accept_tokens,
                       "tune_repeats": preset.tune_repeats,
