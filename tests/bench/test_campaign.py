@@ -194,6 +194,9 @@ def test_quick_host_part_runs_and_reaches_the_table(tmp_path):
     (["--parts", "attn"], {"TRAINED_STEPS": "5"}, "TRAINED_STEPS sets decode_trained's training"),
     (["--parts", "decode_trained", "--decode-plans", "2xF1-h0-K1"], {}, "--decode-plans set the decode part"),
     (["--parts", "attn", "--out"], {}, "--out needs a value"),
+    # the next flag is no value: `--out --quick` ran the full campaign into a folder named --quick
+    (["--parts", "attn", "--out", "--paper", "/none/nanochat-snlp"], {}, "--out needs a value"),
+    (["--parts", "attn", "--out", "--quick"], {}, "--out needs a value"),
     (["--parts", "decode", "--decode-prompts", "/none.json", "--paper", "/none/nanochat-snlp"], {},
      "no nanochat/gpt.py there"),
     (["--parts", "decode", "--decode-prompts", "/none.json", "--out", "/dev/null/c"], {},
