@@ -137,7 +137,11 @@ def main(out: str) -> int:
     unreadable: dict[str, str] = {}
 
     def guarded(name: str, section) -> list[str]:
-        """A part's section, or none when its files cannot be read (recorded in `unreadable`)."""
+        """A part's section, or none when its files cannot be read (recorded in `unreadable`) or when this call
+        named its part NOT RUN (files there are an earlier call's, whose status this call replaced)."""
+        part = next((p for p in ("profile_compiled", "flex_train") if name.startswith(p + "_")), name)
+        if "not_run" in merged["status"].get(part, {}):
+            return []
         try:
             return section()
         except UNREADABLE as e:

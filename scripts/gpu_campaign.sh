@@ -21,7 +21,8 @@ DFLAGS=""  # the --decode-* flags given: they set the decode part only
 while [ $# -gt 0 ]; do
   case "$1" in
     --out|--paper|--parts|--decode-ckpt|--decode-plans|--decode-drafter|--decode-prompts)
-      [ $# -ge 2 ] || { echo "gpu_campaign: $1 needs a value" >&2; exit 2; } ;;&
+      # a value that is the next flag (`--out --quick`) would be taken as the value and that flag lost
+      [ $# -ge 2 ] && [[ "$2" != --* ]] || { echo "gpu_campaign: $1 needs a value (got ${2:-nothing})" >&2; exit 2; } ;;&
     --quick) QUICK=1 ;;
     --out) OUT="$2"; shift ;;
     --paper) PAPER="$2"; shift ;;

@@ -33,25 +33,30 @@ if [ ! -f .paper/nanochat-snlp/nanochat/gpt.py ]; then
 fi
 echo "lease_prep: .paper/nanochat-snlp ready"
 
-steps_of() {  # the optimizer steps a checkpoint folder was trained for with no time budget (0 otherwise: a budgeted
-  python3 - "$1" <<'EOF'  # run that stopped at the same step had another learning-rate schedule)
-import json, sys
+steps_of() {  # the optimizer steps a checkpoint folder was trained for with no time budget and the settings below
+  python3 - "$1" <<'EOF'  # (0 otherwise: a budgeted run that stopped at the same step had another learning-rate
+import json, sys  # schedule; a run of another shape, seed, data or regulariser is another model)
 from pathlib import Path
 import torch
+# the speedrun's IDN-Reg settings, as `snlp train` below and snlp.apps.speedrun.train.train_config record them
+SETTINGS = {"data": "stdlib", "vocab_size": 4096, "depth": 16, "width": 128, "head_dim": 32, "seq_len": 256,
+            "batch_size": 8, "seed": 0, "reg": "idn", "reg_n": "12", "reg_lambda": 0.5}
 d = Path(sys.argv[1])
 try:
     args = torch.load(d / "train_state.pt", map_location="cpu", weights_only=False).get("args", {})
     steps = json.loads((d / "train_summary.json").read_text()).get("steps", 0)
 except (OSError, ValueError, AttributeError):
     args, steps = {}, 0
-print(steps if args.get("minutes") is None and args.get("steps") == steps else 0)
+same = all(str(args.get(k)) == str(v) for k, v in SETTINGS.items())
+print(steps if same and args.get("minutes") is None and args.get("steps") == steps else 0)
 EOF
 }
 
 if [ -f "$DST/model.safetensors" ] && [ "$(steps_of "$DST")" != "$STEPS" ]; then
-  # a folder from other settings (or without its train_state.pt / train_summary.json) would be carried to the GPU
-  # as the lease's model, and its alpha would not be the prediction's: refuse it, never delete it
-  echo "lease_prep: $DST holds a model not trained by this script ($STEPS steps, no time budget): move it away" >&2
+  # a folder from other settings (steps, time budget, shape, seed, data, regulariser; or without its train_state.pt /
+  # train_summary.json) would be carried to the GPU as the lease's model, and its alpha would not be the
+  # prediction's: refuse it, never delete it
+  echo "lease_prep: $DST holds a model not trained by this script ($STEPS steps, no time budget, the speedrun's IDN-Reg settings): move it away" >&2
   exit 1
 fi
 if [ ! -f "$DST/model.safetensors" ]; then

@@ -228,6 +228,8 @@ class BatchDecodeRow:
     tokens_per_s: float
     speedup: float
     matches_sequential: bool  # every row equals its own single-prompt sequential greedy output, every run
+    # pooled over the timed runs, as tokens_per_s is their median: accepted over examined drafts, tokens (drafts)
+    # over rounds of every row of every run
     alpha: float | None
     tokens_per_round: float | None
     drafted_per_round: float | None  # drafter work: drafts made per round, those after an accepted stop id too
@@ -239,6 +241,7 @@ class BatchDecodeRow:
     # noise: each run calls every row of the batch size once, round-robin, so run i of this row and of batched
     # sequential pair up
     tokens_per_s_runs: list[float] | None = None  # every timed run's aggregate tok/s, in run order
+    alpha_runs: list[float | None] | None = None  # speculative rows: each timed run's alpha (None: drafted nothing)
     speedup_rounds: list[float] | None = None  # per run: this row's tok/s / batched sequential's (None for sequential)
     speedup_verdict: str | None = None  # snlp.bench.stats.paired_verdict of speedup_rounds: faster | slower | tie
     speedup_wins: int | None = None
@@ -313,6 +316,12 @@ def batch_decode_benchmark(model: GPT, plans: list[Plan], batch_sizes=(1, 4, 8),
     return rows
 
 
+def run_alpha(run: list) -> float | None:
+    """One batched run's alpha: its rows' accepted over examined drafts (None: it examined none)."""
+    exam = sum(r.examined for r in run)
+    return sum(r.accepted for r in run) / exam if exam else None
+
+
 def _batch_rows(fns: dict, ref: list, warmup: int, runs: int, common: dict) -> list[BatchDecodeRow]:
     for r in range(warmup):
         for k in round_order(fns, r):
@@ -327,9 +336,10 @@ def _batch_rows(fns: dict, ref: list, warmup: int, runs: int, common: dict) -> l
     base = tps[key0]
     rows = []
     for (mode, plan, b, tag), rs in res.items():
-        last = rs[-1]
-        rounds, drafted = sum(r.rounds for r in last), sum(r.drafted for r in last)
-        acc, exam = sum(r.accepted for r in last), sum(r.examined for r in last)
+        # every timed run's rows, as tokens_per_s is their median (not the last run's alone)
+        every = [r for run in rs for r in run]
+        rounds, drafted = sum(r.rounds for r in every), sum(r.drafted for r in every)
+        acc, exam = sum(r.accepted for r in every), sum(r.examined for r in every)
         spec = mode == "speculative"
         mine = runs_tps[(mode, plan, b, tag)]
         ratios = [x / y for x, y in zip(mine, runs_tps[key0])] if spec else None
@@ -338,7 +348,8 @@ def _batch_rows(fns: dict, ref: list, warmup: int, runs: int, common: dict) -> l
             speedup=tps[(mode, plan, b, tag)] / base,
             matches_sequential=all([r.tokens for r in run] == ref for run in rs),
             alpha=acc / exam if spec and exam else None,
-            tokens_per_round=sum(len(r.tokens) for r in last) / rounds if spec and rounds else None,
+            tokens_per_round=sum(len(r.tokens) for r in every) / rounds if spec and rounds else None,
             drafted_per_round=drafted / rounds if spec and rounds else None, tokens_per_s_runs=mine,
+            alpha_runs=[run_alpha(run) for run in rs] if spec else None,
             **paired_fields("speedup", ratios), **common))
     return rows

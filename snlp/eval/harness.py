@@ -559,14 +559,20 @@ class SNLPLM(TemplateLM):
                 return toks[:i]
         return toks
 
-    def unapplied_defaults(self, sampling: bool) -> dict:
+    def unapplied_defaults(self, sampling: bool, task: dict | None = None) -> dict:
         """The model's generation-config settings (a converted model's generation_config.json) that lm-eval's hf
         model applies in generate_until (its `generate` merges them into every call: an n-gram ban acts in greedy
         decoding too) and snlp's decoding does not; {} with ignore_generation_config. The repetition penalty is
-        not among them: snlp applies it (`repetition_penalty_for`)."""
+        not among them: snlp applies it (`repetition_penalty_for`). `task`: a request's normalized kwargs, which that
+        `generate` merges over the config: its top_k / penalty_alpha decide with the config's whether a config's
+        penalty_alpha makes contrastive search (a task's top_k 1 keeps greedy, its top_k 4 over a config's 1 does
+        not; a task's null top_k reaches generate as None: no contrastive search)."""
         if self.ignore_generation_config:
             return {}
         defaults = (self.tokenizer.meta or {}).get("generation_config") or {}
+        if task and defaults.get("penalty_alpha") is not None:
+            defaults = dict(defaults, **{k: (0 if k == "top_k" and task[k] is None else task[k])
+                                         for k in ("top_k", "penalty_alpha") if k in task})
         extra = unapplied_defaults(defaults, sampling)
         if defaults.get("max_new_tokens") is not None:
             # transformers' generate lets the config's max_new_tokens win over the max_length the hf model passes
@@ -581,10 +587,11 @@ class SNLPLM(TemplateLM):
         value = config.get(name)
         return TRANSFORMERS_SAMPLING_DEFAULTS[name] if value is None else value
 
-    def check_generation_config(self, sampling: bool) -> None:
+    def check_generation_config(self, sampling: bool, task: dict | None = None) -> None:
         """A ValueError naming the generation-config settings generate_until would silently not apply (answers
-        would differ from lm-eval's hf model on the same checkpoint), and the model arg that accepts that."""
-        extra = self.unapplied_defaults(sampling)
+        would differ from lm-eval's hf model on the same checkpoint), and the model arg that accepts that. `task`: a
+        request's kwargs, as unapplied_defaults reads them."""
+        extra = self.unapplied_defaults(sampling, task)
         if extra:
             raise ValueError(f"{self._source or 'the model'}: its generation_config sets "
                              f"{', '.join(f'{k}={v}' for k, v in extra.items())}, which lm-eval's hf model applies in "
@@ -638,7 +645,7 @@ class SNLPLM(TemplateLM):
             raise ValueError(f"generation options {', '.join(f'{k}={kw[k]!r}' for k in refused)} are not "
                              f"supported by the snlp harness model (greedy, or sampling at a temperature with "
                              f"top_k / top_p, until stop strings / max_gen_toks)")
-        self.check_generation_config(sampling=bool(kw["do_sample"]))
+        self.check_generation_config(sampling=bool(kw["do_sample"]), task=kw)
         penalty = self.repetition_penalty_for(kw.get("repetition_penalty"))
         until = handle_stop_sequences(kw.pop("until", None), eos=eos)
         max_new = int(kw["max_gen_toks"])
@@ -783,12 +790,13 @@ def evaluate_methods(lms: list[SNLPLM], tasks: list[str], num_fewshot: int | Non
         for lm in lms:  # every run records its model_args: one that cannot be written is refused before any run
             lm.model_args
             lm.repetition_penalty_for()  # and a generation config's penalty that is none (0, nan): refused here too
-        if any(lm.unapplied_defaults(sampling=True) for lm in lms):
+        # either mode: a config's penalty_alpha counts in greedy decoding only (contrastive search)
+        if any(lm.unapplied_defaults(sampling=True) or lm.unapplied_defaults(sampling=False) for lm in lms):
             # refused before any run: generate_until's own check would come after the loglikelihood tasks' work. A
             # sampled task is checked as sampling (min_p, typical_p, ... act there only), a greedy one as greedy
-            for samples in sorted(generation_modes(tasks, tm)):
+            for kw in generation_kwargs(tasks, tm):
                 for lm in lms:
-                    lm.check_generation_config(samples)
+                    lm.check_generation_config(bool(kw["do_sample"]), task=kw)
         from lm_eval.loggers import EvaluationTracker
 
         out = []
@@ -826,12 +834,13 @@ def evaluate_methods(lms: list[SNLPLM], tasks: list[str], num_fewshot: int | Non
         return out
 
 
-def generation_modes(tasks: list[str], tm) -> set[bool]:
-    """Whether the generate_until tasks among `tasks` (groups and tags expanded) sample: {False} greedy ones only,
-    {True} sampled ones only, both, or none without generate_until (the task objects are built: their datasets
-    load). do_sample as normalize_gen_kwargs reads a task's generation_kwargs, as generate_until does."""
-    return {bool(normalize_gen_kwargs(dict(t.config.generation_kwargs or {}))["do_sample"])
-            for t in tm.load(list(tasks))["tasks"].values() if t.OUTPUT_TYPE == "generate_until"}
+def generation_kwargs(tasks: list[str], tm) -> list[dict]:
+    """The generation kwargs of the generate_until tasks among `tasks` (groups and tags expanded; the task objects
+    are built: their datasets load), normalized as generate_until reads them (normalize_gen_kwargs: do_sample
+    whether it samples), in task order: a model's generation config is checked against each, as the hf model's
+    `generate` merges each over it."""
+    return [normalize_gen_kwargs(dict(t.config.generation_kwargs or {}))
+            for t in tm.load(list(tasks))["tasks"].values() if t.OUTPUT_TYPE == "generate_until"]
 
 
 def tracked(tracker) -> dict:

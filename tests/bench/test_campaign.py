@@ -54,6 +54,22 @@ def test_the_table_keeps_each_parts_failures_and_correctness(tmp_path):
     assert "Correctness" in out and "| every |" not in out
 
 
+def test_a_part_named_not_run_shows_no_section_of_an_earlier_call(tmp_path):
+    """A call on an --out where an earlier call (with the paper's code) left vs_paper_eager's files: this call names
+    the part NOT RUN and the table still printed the earlier call's results under it, as if this call had them."""
+    parts = tmp_path / "parts"
+    (parts / "vs_paper_eager").mkdir(parents=True)
+    (parts / "vs_paper_eager" / "vs_paper.md").write_text("## x\n\n| stale eager |\n")
+    (parts / "vs_paper_eager" / "vs_paper.json").write_text("{}")
+    (parts / "vs_paper_eager.status.json").write_text(json.dumps(
+        {"part": "vs_paper_eager", "rc": None, "seconds": 0, "not_run": "no checkout of the paper's code"}))
+    out = subprocess.run(["python3", str(ROOT / "scripts" / "campaign_table.py"), str(tmp_path)], capture_output=True,
+                         text=True, check=True).stdout
+    assert "- part vs_paper_eager: NOT RUN" in out and "stale eager" not in out and "## vs_paper_eager" not in out
+    merged = json.loads((tmp_path / "campaign.json").read_text())
+    assert "vs_paper_eager" not in merged["parts"], merged["parts"]
+
+
 def test_a_part_cut_short_while_writing_costs_its_section_only(tmp_path):
     """A part's limit (timeout's SIGTERM / SIGKILL) can land while it writes its files: flex.json cut mid-way, or a
     decode.md whose decode.json never came. The table is still written and printed last, with every part's status,
@@ -194,6 +210,9 @@ def test_quick_host_part_runs_and_reaches_the_table(tmp_path):
     (["--parts", "attn"], {"TRAINED_STEPS": "5"}, "TRAINED_STEPS sets decode_trained's training"),
     (["--parts", "decode_trained", "--decode-plans", "2xF1-h0-K1"], {}, "--decode-plans set the decode part"),
     (["--parts", "attn", "--out"], {}, "--out needs a value"),
+    # the next flag is no value: `--out --quick` ran the full campaign into a folder named --quick
+    (["--parts", "attn", "--out", "--paper", "/none/nanochat-snlp"], {}, "--out needs a value"),
+    (["--parts", "attn", "--out", "--quick"], {}, "--out needs a value"),
     (["--parts", "decode", "--decode-prompts", "/none.json", "--paper", "/none/nanochat-snlp"], {},
      "no nanochat/gpt.py there"),
     (["--parts", "decode", "--decode-prompts", "/none.json", "--out", "/dev/null/c"], {},

@@ -51,3 +51,27 @@ def test_a_row_matches_when_every_timed_run_does(monkeypatch):
     assert len(got) == 2 and all(r.matches_sequential for r in rows if r.mode != "snlp")  # snlp K1 < C: inexact
     spec = next(r for r in rows if r.mode == "speculative")
     assert spec.alpha == pytest.approx(got[0].acceptance_rate) and len(spec.alpha_runs) == 2
+
+
+def test_batch_rows_pool_alpha_and_tokens_per_round_over_the_timed_runs():
+    """--batch-sizes rows: tok/s is the median over the timed runs, and alpha / tokens per round were the last run's
+    alone; they are pooled over every run's rows now (accepted / examined, tokens / rounds), each run's alpha beside."""
+    from types import SimpleNamespace
+
+    ref = [[1, 2, 3, 4], [5, 6, 7, 8]]
+
+    def result(tokens, rounds=0, accepted=0, examined=0, tps=100.0):
+        return SimpleNamespace(tokens=tokens, rounds=rounds, drafted=2 * rounds, accepted=accepted,
+                               examined=examined, extra={"batch": {"tokens_per_s": tps}})
+
+    # run 0: every draft of both rows accepted; run 1: none (4 rounds of one token each per row)
+    spec_runs = iter([[result(ref[0], 2, 4, 4), result(ref[1], 2, 4, 4)],
+                      [result(ref[0], 4, 0, 4), result(ref[1], 4, 0, 4)]])
+    fns = {("sequential", "sequential", None, ""): lambda: [result(t) for t in ref],
+           ("speculative", "4xF1-h0-K1", 2, ""): lambda: next(spec_runs)}
+    rows = bench_decode._batch_rows(fns, ref, warmup=0, runs=2, common=dict(
+        batch=2, new_tokens=4, prompt_lens=[3, 3], runs=2, compiled=False, repetition_penalty=1.0))
+    spec = next(r for r in rows if r.mode == "speculative")
+    assert spec.alpha == pytest.approx(8 / 16) and spec.alpha_runs == pytest.approx([1.0, 0.0])
+    assert spec.tokens_per_round == pytest.approx(16 / 12) and spec.drafted_per_round == pytest.approx(2.0)
+    assert spec.matches_sequential

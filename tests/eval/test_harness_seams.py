@@ -590,3 +590,53 @@ def test_an_integer_penalty_is_refused_as_the_hf_models_generate_refuses_it(tmp_
     tm = task_manager(["snlp_gen_tiny"], str(tasks))
     with pytest.raises(ValueError, match=r"generation_config sets repetition_penalty=2, an integer"):
         evaluate_methods([SNLPLM(pretrained=str(d), dtype="float64")], ["snlp_gen_tiny"], tm=tm)
+
+
+def test_a_config_penalty_alpha_is_refused_before_any_task(tmp_path, tasks, monkeypatch):
+    """A generation config with penalty_alpha (contrastive search in a greedy task: transformers 5's generate()
+    refuses it without trust_remote_code) was missed by the up-front check, which asked about sampling alone (where
+    penalty_alpha is unread): the multiple-choice task's work ran first and generate_until refused afterwards."""
+    from snlp.eval.harness import evaluate_methods, task_manager
+
+    d = _tiny_dir(tmp_path / "m")
+    (d / "generation_config.json").write_text(json.dumps(dict(bos_token_id=V - 3, eos_token_id=V - 2,
+                                                              penalty_alpha=0.6)))
+    lm = SNLPLM(pretrained=str(d), dtype="float64")
+    tm = task_manager(["snlp_arc_tiny", "snlp_gen_tiny"], str(tasks))
+
+    def no_work(*a, **k):
+        raise AssertionError("a task ran before the refusal")
+
+    monkeypatch.setattr(SNLPLM, "_loglikelihood_tokens", no_work)
+    with pytest.raises(ValueError, match="penalty_alpha=0.6"):
+        evaluate_methods([lm], ["snlp_arc_tiny", "snlp_gen_tiny"], limit=1, tm=tm)
+
+
+@pytest.mark.parametrize("config,task", [
+    ({"penalty_alpha": 0.6}, {}), ({"penalty_alpha": 0.6}, {"top_k": 1}), ({"penalty_alpha": 0.6}, {"top_k": None}),
+    ({"penalty_alpha": 0.6}, {"penalty_alpha": 0.0}), ({"penalty_alpha": 0.6, "top_k": 1}, {}),
+    ({"penalty_alpha": 0.6, "top_k": 1}, {"top_k": 4}), ({"penalty_alpha": 0.6, "top_k": 1}, {"top_k": 4,
+                                                                                            "do_sample": True,
+                                                                                            "temperature": 1.0})])
+def test_a_config_penalty_alpha_is_read_with_the_tasks_kwargs_merged_over_it(tmp_path, config, task):
+    """The hf model's generate() merges a task's kwargs over the model's generation config before it picks its mode:
+    a config's penalty_alpha under a task's top_k 1 (or null, or penalty_alpha 0) stays greedy, and a config's top_k
+    1 under a task's top_k 4 is contrastive search. generate_until read the config alone: it refused the first and
+    decoded the second greedily. Now it refuses exactly where transformers leaves greedy / sampling decoding."""
+    import warnings
+
+    d = _tiny_dir(tmp_path / "m")
+    (d / "generation_config.json").write_text(json.dumps(dict(bos_token_id=V - 3, eos_token_id=V - 2, **config)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gc = transformers.GenerationConfig(**config)
+        gc.update(**gc._get_default_generation_params(), defaults_only=True)
+        gc.update(**{"do_sample": False, **task})
+        mode = gc.get_generation_mode()
+    lm = SNLPLM(pretrained=str(d), dtype="float64")
+    g = _reqs("generate_until", [("t4", {"until": [], "max_gen_toks": 2, "do_sample": False, **task})])
+    if mode in ("greedy_search", "sample"):
+        assert len(lm.generate_until(g)) == 1
+    else:
+        with pytest.raises(ValueError, match="penalty_alpha=0.6"):
+            lm.generate_until(g)
