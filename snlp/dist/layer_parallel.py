@@ -793,11 +793,13 @@ def distributed_benchmark(model_fn, plans: list[Plan], tokens: int, batch: int, 
                         res[(mode, b)].append(r)
             seq_ms = statistics.median(1e3 * r.decode_s / len(r.tokens) for r in res[("sequential", 0)])
             ref = res[("sequential", 0)][0].tokens
+            seq_agree = all(r.tokens == ref for r in res[("sequential", 0)])  # a differing sequential run: no row matches
             for (mode, b), rs in res.items():
                 ms = statistics.median(1e3 * r.decode_s / len(r.tokens) for r in rs)
                 rec = {**dbase, "what": "decode", "mode": mode, "block": b or None, "ms_per_token": ms,
                        # every timed run, as the median's: a run whose tokens differ is a row that does not match
-                       "speedup_vs_pipeline": seq_ms / ms, "matches_sequential": all(r.tokens == ref for r in rs),
+                       "speedup_vs_pipeline": seq_ms / ms,
+                       "matches_sequential": seq_agree and all(r.tokens == ref for r in rs),
                        "prompt_len": prompt_len, "new_tokens": new_tokens, "repetition_penalty": repetition_penalty,
                        # run i of every mode ran in round i (paired with the sequential row's run i)
                        "ms_per_token_runs": [1e3 * r.decode_s / len(r.tokens) for r in rs],

@@ -191,3 +191,37 @@ def test_bench_decode_alpha_comes_from_the_timed_runs_of_the_medians(tmp_path):
     assert spec["alpha"] == sum(a for a, *_ in seen) / sum(e for _, e, *_ in seen) > 0
     assert spec["alpha_runs"] == [a / e if e else None for a, e, *_ in seen]
     assert spec["tokens_per_round"] == sum(t for *_, t, _ in seen) / sum(r for *_, r in seen)
+
+
+def _varying_sequential_worker(rank: int, world: int, port: int, out: str) -> None:
+    """The benchmark with its second timed sequential run's last token changed (a sequential run that differs)."""
+    import torch.distributed as dist
+
+    from snlp.dist.layer_parallel import DistributedSNLP, distributed_benchmark
+    from snlp.method.plan import Plan
+
+    _init(rank, world, port)
+    real, calls = DistributedSNLP.generate, []
+
+    def generate(self, prompt, mode, *a, **k):
+        r = real(self, prompt, mode, *a, **k)
+        if mode == "sequential":
+            calls.append(1)
+            if len(calls) == 2:
+                r.tokens = r.tokens[:-1] + [r.tokens[-1] + 1]
+        return r
+
+    DistributedSNLP.generate = generate
+    recs = distributed_benchmark(_model, [Plan.parse(PLAN)], tokens=3, batch=1, warmup=0, runs=RUNS, seed=0,
+                                 decode=True, prompt_len=PROMPT_LEN, new_tokens=NEW, blocks=(2,))
+    torch.save(recs, os.path.join(out, f"seq{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_bench_decode_rows_match_only_a_sequential_reference_every_run_agrees_on(tmp_path):
+    """=seq compared every row with sequential's first timed run only: a later sequential run that differed left the
+    speculative row "identical"."""
+    _spawn(_varying_sequential_worker, 1, str(tmp_path))
+    recs = torch.load(tmp_path / "seq0.pt", weights_only=False)
+    rows = [r for r in recs if r.get("what") == "decode"]
+    assert rows and not any(r["matches_sequential"] for r in rows)
