@@ -1,0 +1,56 @@
+"""An fp64 snlp checkpoint keeps its own weights where a caller asks for fp64: `load(dir, dtype=torch.float64)` and the
+harness model's dtype=auto / float64. `load` alone builds float32, and a cast after it (what the harness did) rounded every weight to float32 first: the "checkpoint's own dtype" scored other weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from snlp.io.checkpoint import load, save_checkpoint, stored_dtype
+from snlp.io.tokenizer import Tokenizer
+from snlp.model.gpt import GPT, GPTConfig
+
+
+def fp64_model(**cfg) -> GPT:
+    """A float64 model whose weights float32 cannot hold (each rounds when cast to float32)."""
+    m = GPT(GPTConfig.from_depth(2, head_dim=8, width=16, vocab_size=300, sequence_len=16, **cfg))
+    m.init_weights(seed=0)
+    m = m.double()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.1)
+    assert any(not torch.equal(p, p.float().double()) for p in m.parameters())
+    return m.eval()
+
+
+def same_state(a: GPT, b: GPT) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    m = fp64_model()
+    tok = Tokenizer.train(["the quick brown fox jumps over the lazy dog\n"] * 20, vocab_size=300)
+    return m, save_checkpoint(tmp_path / "ck", m, tok)
+
+
+def test_load_in_float64_keeps_an_fp64_checkpoints_weights(ckpt):
+    m, ck = ckpt
+    assert stored_dtype(ck) == torch.float64
+    assert same_state(load(ck, dtype=torch.float64)[0], m)
+    assert load(ck)[0].wte.weight.dtype == torch.float32  # no dtype: float32, as before
+    assert same_state(load(ck, dtype=torch.bfloat16)[0], m.bfloat16())  # one rounding, from the stored weights
+    with pytest.raises(ValueError, match="a floating torch dtype"):
+        load(ck, dtype="float64")
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float64"])
+def test_the_harness_model_scores_an_fp64_checkpoints_own_weights(ckpt, dtype):
+    pytest.importorskip("lm_eval")
+    from snlp.eval.harness import SNLPLM
+
+    m, ck = ckpt
+    lm = SNLPLM(pretrained=str(ck), dtype=dtype, device="cpu")
+    assert same_state(lm.model, m)
