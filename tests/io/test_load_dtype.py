@@ -1,5 +1,7 @@
-"""An fp64 snlp checkpoint keeps its own weights where a caller asks for fp64: `load(dir, dtype=torch.float64)` and the
-harness model's dtype=auto / float64. `load` alone builds float32, and a cast after it (what the harness did) rounded every weight to float32 first: the "checkpoint's own dtype" scored other weights."""
+"""An fp64 snlp checkpoint keeps its own weights where a caller asks for fp64: `load(dir, dtype=torch.float64)`, the
+harness model's dtype=auto / float64 and `snlp export`. `load` alone builds float32, and a cast after it (what each
+of them did) rounded every weight to float32 first: the "checkpoint's own dtype" scored, and exported, other
+weights."""
 
 from __future__ import annotations
 
@@ -54,3 +56,25 @@ def test_the_harness_model_scores_an_fp64_checkpoints_own_weights(ckpt, dtype):
     m, ck = ckpt
     lm = SNLPLM(pretrained=str(ck), dtype=dtype, device="cpu")
     assert same_state(lm.model, m)
+
+
+def test_snlp_export_of_an_fp64_checkpoint_writes_its_own_weights(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from snlp.apps.cli import main
+    from snlp.io.hf import from_hf
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    torch.manual_seed(0)
+    src = transformers.LlamaForCausalLM(cfg).double().eval()
+    with torch.no_grad():
+        for p in src.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    m = from_hf(src)[0]  # a Llama-family snlp model in float64
+    assert m.wte.weight.dtype == torch.float64
+    ck = save_checkpoint(tmp_path / "ck", m)
+    assert main(["export", str(ck), "--out", str(tmp_path / "hf")]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert hf.dtype == torch.float64
+    assert all(torch.equal(a, b) for a, b in zip(hf.state_dict().values(), src.state_dict().values()))
+    assert same_state(from_hf(str(tmp_path / "hf"))[0], m)
