@@ -293,8 +293,7 @@ def decode_plan(model: GPT, plan: Plan | str) -> Plan:
     check_gpt(model)
     if plan is None:
         raise ValueError("this decoding mode needs an SNLP plan (e.g. '4xF1-h0-K1')")
-    plan = Plan.parse(plan) if isinstance(plan, str) else plan
-    return plan.check(model.config.n_layer)
+    return Plan.parse(plan, model.config.n_layer)
 
 
 class DecodeSession:

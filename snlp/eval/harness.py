@@ -219,8 +219,8 @@ class SNLPLM(TemplateLM):
         seed = harness_seed(seed)
         if max_length is not None:
             max_length = harness_int("max_length", max_length, 1)
-        if isinstance(plan, str):
-            Plan.parse(plan)  # its grammar; whether it fits the model once that has loaded
+        if plan is not None:
+            Plan.parse(plan)  # a string's grammar (or not a plan at all); whether it fits the model once that has loaded
         self._rank, self._world_size = 0, 1
 
         if not isinstance(pretrained, (str, Path)):  # an object: an snlp GPT, never a transformers model (its repr
@@ -277,7 +277,7 @@ class SNLPLM(TemplateLM):
         elif drafter is not None:
             self.drafter = load_drafter(drafter, self.model)
         if plan is not None:
-            plan = Plan.parse(plan, L) if isinstance(plan, str) else plan.check(L)
+            plan = Plan.parse(plan, L)
         if self.drafter is not None:
             plan = self.drafter.check_plan(plan) if plan is not None else self.drafter.plan
             if plan.init == "preheat":  # as `snlp eval --drafter`: refused before any calibration is read
