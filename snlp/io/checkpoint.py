@@ -337,9 +337,16 @@ def stored_dtype(path) -> torch.dtype:
     from safetensors import safe_open
 
     wf = checkpoint_dir(path) / WEIGHTS
-    with safe_open(str(wf), "pt") as f:
-        name = f.get_slice("wte.weight").get_dtype()  # safetensors' name: F32, BF16, F16, F64
-    return {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[name]
+    try:
+        with safe_open(str(wf), "pt") as f:
+            name = f.get_slice("wte.weight").get_dtype() if "wte.weight" in f.keys() else None  # F32, BF16, F16, F64
+    except (SafetensorError, OSError, RuntimeError) as e:  # as `load` says it (a caller may read this first)
+        raise ValueError(f"corrupt or truncated weights file {wf} ({e}); restore it or re-train") from e
+    dtypes = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"weights in {wf} " + ("hold no wte.weight" if name is None else f"are in {name}") +
+                         f": not an snlp checkpoint's (float64, float32, bfloat16 or float16 weights)")
+    return dtypes[name]
 
 
 def load(path, device="cpu", overrides: dict | None = None, need_tokenizer: str | None = None,

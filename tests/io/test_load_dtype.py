@@ -78,3 +78,22 @@ def test_snlp_export_of_an_fp64_checkpoint_writes_its_own_weights(tmp_path):
     assert hf.dtype == torch.float64
     assert all(torch.equal(a, b) for a, b in zip(hf.state_dict().values(), src.state_dict().values()))
     assert same_state(from_hf(str(tmp_path / "hf"))[0], m)
+
+
+def test_a_truncated_checkpoint_is_named_as_load_names_it_where_its_stored_dtype_is_read_first(ckpt, tmp_path):
+    """stored_dtype read the safetensors header raw: a truncated file gave safetensors' own 'Error while deserializing
+    header' (a SafetensorError) to the harness's dtype=auto and to `snlp export`, which read it before `load` says
+    'corrupt or truncated weights file'."""
+    from snlp.apps.cli import main
+
+    m, ck = ckpt
+    wf = ck / "model.safetensors"
+    wf.write_bytes(wf.read_bytes()[:100])
+    with pytest.raises(ValueError, match="corrupt or truncated weights file"):
+        stored_dtype(ck)
+    pytest.importorskip("lm_eval")
+    from snlp.eval.harness import SNLPLM
+
+    with pytest.raises(ValueError, match="corrupt or truncated weights file"):
+        SNLPLM(pretrained=str(ck), dtype="auto")
+    assert main(["export", str(ck), "--out", str(tmp_path / "hf")]) == 2
