@@ -97,3 +97,22 @@ def test_a_truncated_checkpoint_is_named_as_load_names_it_where_its_stored_dtype
     with pytest.raises(ValueError, match="corrupt or truncated weights file"):
         SNLPLM(pretrained=str(ck), dtype="auto")
     assert main(["export", str(ck), "--out", str(tmp_path / "hf")]) == 2
+
+
+def test_snlp_export_reads_the_stored_dtype_of_a_checkpoint_named_by_a_file_inside_it(ckpt, tmp_path):
+    """`snlp export` takes what load takes (a file inside the checkpoint, a leading ~); the stored dtype was read
+    only for the folder itself, so `snlp export CK/model.safetensors` of an fp64 checkpoint still wrote float32."""
+    transformers = pytest.importorskip("transformers")
+    from snlp.apps.cli import main
+    from snlp.io.hf import from_hf
+
+    src = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32)).double().eval()
+    with torch.no_grad():
+        for p in src.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # weights float32 cannot hold
+    m = from_hf(src)[0]
+    ck = save_checkpoint(tmp_path / "ck", m)
+    assert main(["export", str(ck / "model.safetensors"), "--out", str(tmp_path / "hf")]) == 0
+    assert same_state(from_hf(str(tmp_path / "hf"))[0], m)
