@@ -345,7 +345,7 @@ def stored_dtype(path) -> torch.dtype:
     dtypes = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
     if name not in dtypes:
         raise ValueError(f"weights in {wf} " + ("hold no wte.weight" if name is None else f"are in {name}") +
-                         f": not an snlp checkpoint's (float64, float32, bfloat16 or float16 weights)")
+                         ": not an snlp checkpoint's (float64, float32, bfloat16 or float16 weights)")
     return dtypes[name]
 
 
