@@ -1766,7 +1766,8 @@ def test_model_parts_at_every_decoding_entry_equal_the_argmax_loop(data, entry, 
 
 def test_unverified_jacobi_prefills_the_prompt_with_the_model():
     """jacobi_generate(verify=False) prefills the prompt with the model's own forward (its docstring): from
-    exact_iters() on an M = 1 plan decodes the model's argmax loop (with warm_start from the h0 init's count); an
+    exact_iters() on an M = 1 plan without tol decodes the model's argmax loop (with warm_start from the h0 init's
+    count); an
     exact M = 2 plan decodes neither the model's loop nor the fused model's (snlp_generate's, whose prefill is the
     plan's solve)."""
     m = make_model(seed=1, vocab_size=50, n_layer=2, n_head=2, n_kv_head=2, window_pattern="L")
@@ -1783,6 +1784,8 @@ def test_unverified_jacobi_prefills_the_prompt_with_the_model():
         assert jacobi_generate(m, prompt, plan, block=3, max_new_tokens=n, verify=False).tokens == model_loop
         warm = jacobi_generate(m, prompt, plan, block=3, max_new_tokens=n, verify=False, warm_start=True).tokens
         assert (warm == model_loop) == exact, plan
+    # a tol plan stops its solve before K (the docstring's "without tol"): K = C is no longer the model's loop
+    assert jacobi_generate(m, prompt, "2xF1-h0-K2-tol:3", block=3, max_new_tokens=n, verify=False).tokens != model_loop
 
 
 # ----- the logits' dtype: max(model dtype, fp32) at every entry point that returns logits -----

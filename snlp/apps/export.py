@@ -36,7 +36,9 @@ def check_empty_out(out: str) -> None:
 def run(args) -> int:
     # the library (and torch) loads here, not at the top: --help answers without it
     from snlp.apps.convert import check_new_out
-    from snlp.io.checkpoint import load
+    from snlp.io.checkpoint import checkpoint_dir, is_snlp_checkpoint, load, stored_dtype
+    from snlp.io.nanochat import is_nanochat_dir
+    from snlp.io.source import home_path
     from snlp.io.drafter import export_drafter_hf, is_drafter_dir, load_drafter, load_record
     from snlp.io.hf import export_hf
     from snlp.train.adapt import load_base
@@ -55,7 +57,11 @@ def run(args) -> int:
         return 0
     if args.base:
         raise ValueError("--base is for drafter directories; an snlp checkpoint is exported as it is")
-    model, tok = load(args.ckpt)
+    # in the dtype its weights were saved in (load alone gives float32: an fp64 checkpoint was written rounded); the
+    # folder as load reads it (a file inside it, a leading ~)
+    src = home_path(args.ckpt)
+    own = None if is_nanochat_dir(src) else checkpoint_dir(src)
+    model, tok = load(args.ckpt, dtype=stored_dtype(own) if own is not None and is_snlp_checkpoint(own) else None)
     out = export_hf(model, args.out, tok)
     print(f"exported {args.ckpt} -> {out} (transformers {model.config.n_layer}-layer model)")
     return 0

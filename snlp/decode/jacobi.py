@@ -38,8 +38,8 @@ def jacobi_generate(model: GPT, prompt_ids, plan: Plan | str | None = None, bloc
     sequential forward, so the output may differ from sequential greedy decoding (compare with
     `metrics.ar_match`); a plan whose solve turns NaN/inf then raises SNLPDivergenceError (verified, the sequential
     check keeps the output exact and a diverged guess only costs speed). In both modes the prompt is prefilled by
-    the model's own forward (its exact K/V), so unverified from plan.exact_iters() on the output is the model's
-    greedy decoding for M = 1 (with `warm_start` from the h0 init's count, plan.with_(init="h0").exact_iters(): C
+    the model's own forward (its exact K/V), so unverified from plan.exact_iters() on, without `tol` (which may stop
+    the solve before), the output is the model's greedy decoding for M = 1 (with `warm_start` from the h0 init's count, plan.with_(init="h0").exact_iters(): C
     in the forward order, since a warm start replaces the fwd init's exact first chunk by stale states), but for
     M > 1 or a causal plan it is neither the model's nor the plan's own decoding (snlp_generate's): the tokens the
     plan generates attend to the model's K/V of the prompt.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import math
 import operator
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -136,9 +137,9 @@ def prompt_ids_list(model: GPT, prompt_ids) -> list[int]:
     if isinstance(prompt_ids, (str, bytes)):
         raise ValueError(TEXT_PROMPT.format(prompt_ids[:40]))
     prompt_ids = as_ids_tensor(prompt_ids)
-    if not isinstance(prompt_ids, (list, tuple, range, Tensor)):
+    if not isinstance(prompt_ids, (Sequence, Tensor)):
         # read more than once (checked, then decoded): a generator or iterator was empty by the second read and
-        # reported as an empty prompt
+        # reported as an empty prompt; a sequence (a list, a tuple, a deque, an array.array) reads the same twice
         raise ValueError(f"prompt must be a list of ids, a (T,) / (1, T) tensor or a numpy array, got "
                          f"{type(prompt_ids).__name__}")
     if isinstance(prompt_ids, Tensor):
@@ -293,8 +294,7 @@ def decode_plan(model: GPT, plan: Plan | str) -> Plan:
     check_gpt(model)
     if plan is None:
         raise ValueError("this decoding mode needs an SNLP plan (e.g. '4xF1-h0-K1')")
-    plan = Plan.parse(plan) if isinstance(plan, str) else plan
-    return plan.check(model.config.n_layer)
+    return Plan.parse(plan, model.config.n_layer)
 
 
 class DecodeSession:

@@ -103,16 +103,19 @@ def refused_gen_kwargs(kw: dict, greedy: bool) -> list[str]:
         or k in GEN_NOOPS and kw[k] in GEN_NOOPS[k]))
 
 
-def load_any(pretrained: str, need_tokenizer: str | None = None) -> tuple[GPT, Tokenizer | None, Path | None]:
+def load_any(pretrained: str, need_tokenizer: str | None = None, dtype: torch.dtype | str | None = None
+             ) -> tuple[GPT, Tokenizer | None, Path | None]:
     """(model, tokenizer, snlp checkpoint dir or None) of an snlp checkpoint, a transformers directory, a .gguf file
     or a hub id (snlp.from_hf). `need_tokenizer`: what the caller needs a tokenizer for; an snlp or nanochat
-    checkpoint without tokenizer.json is then refused with it before its weights are read (snlp.io.checkpoint.load)."""
+    checkpoint without tokenizer.json is then refused with it before its weights are read (snlp.io.checkpoint.load).
+    `dtype`: the dtype an snlp / nanochat checkpoint is built in, its weights converted once from the stored ones
+    ("auto": an snlp checkpoint's stored dtype; None: float32, load's); a converted source keeps its own."""
     p = home_path(pretrained)
     if is_snlp_checkpoint(p):
-        model, tok = load(p, need_tokenizer=need_tokenizer)
+        model, tok = load(p, need_tokenizer=need_tokenizer, dtype=stored_dtype(p) if dtype == "auto" else dtype)
         return model, tok, p
     if is_nanochat_dir(p):  # a nanochat / nanochat-snlp checkpoint directory (no tokenizer comes with it)
-        model, tok = load(p, need_tokenizer=need_tokenizer)
+        model, tok = load(p, need_tokenizer=need_tokenizer, dtype=None if dtype == "auto" else dtype)
         return model, tok, None
     model, tok = from_hf(str(p) if p.exists() else pretrained)
     return model, tok, None
@@ -216,8 +219,8 @@ class SNLPLM(TemplateLM):
         seed = harness_seed(seed)
         if max_length is not None:
             max_length = harness_int("max_length", max_length, 1)
-        if isinstance(plan, str):
-            Plan.parse(plan)  # its grammar; whether it fits the model once that has loaded
+        if plan is not None:
+            Plan.parse(plan)  # a string's grammar (or not a plan at all); whether it fits the model once that has loaded
         self._rank, self._world_size = 0, 1
 
         if not isinstance(pretrained, (str, Path)):  # an object: an snlp GPT, never a transformers model (its repr
@@ -241,14 +244,15 @@ class SNLPLM(TemplateLM):
                                  f"dtype / device out, or pass its path")
             self._device = w.device
         else:
-            model, tok, ckpt = load_any(str(pretrained))
-            tok, name = tokenizer or tok, Path(str(pretrained)).name
             self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-            # auto: the checkpoint's own dtype, as the hf model's dtype="auto": what an snlp checkpoint stored (load
-            # gives float32 whatever it is), a converted source's own (from_hf keeps it)
-            own = stored_dtype(ckpt) if ckpt is not None else model.wte.weight.dtype
-            torch_dtype = DTYPES[dtype] if dtype in DTYPES else own if dtype == "auto" else (
+            # auto: the checkpoint's own dtype, as the hf model's dtype="auto": what an snlp checkpoint stored, a
+            # converted source's own (from_hf keeps it). A checkpoint is built in the dtype asked, its weights
+            # converted once from the stored ones: load's float32 and then a cast would round an fp64 checkpoint
+            want = "auto" if dtype == "auto" else DTYPES[dtype] if dtype in DTYPES else (
                 torch.bfloat16 if self._device.type == "cuda" else torch.float32)
+            model, tok, ckpt = load_any(str(pretrained), dtype=want)
+            tok, name = tokenizer or tok, Path(str(pretrained)).name
+            torch_dtype = model.wte.weight.dtype if want == "auto" else want
             model = cast_model(model, self._device, torch_dtype, self._source).eval()  # loaded here: ours to convert
         if tok is None:
             raise ValueError(f"{self._source or 'the model'}: no tokenizer; the harness sends text, so the model needs its tokenizer "
@@ -273,7 +277,7 @@ class SNLPLM(TemplateLM):
         elif drafter is not None:
             self.drafter = load_drafter(drafter, self.model)
         if plan is not None:
-            plan = Plan.parse(plan, L) if isinstance(plan, str) else plan.check(L)
+            plan = Plan.parse(plan, L)
         if self.drafter is not None:
             plan = self.drafter.check_plan(plan) if plan is not None else self.drafter.plan
             if plan.init == "preheat":  # as `snlp eval --drafter`: refused before any calibration is read

@@ -39,6 +39,7 @@ import dataclasses
 import math
 import statistics
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -356,7 +357,10 @@ def evaluate(model: GPT, val_tokens, plans, cfg: EvalConfig = EvalConfig(), toke
     L = model.config.n_layer
     if isinstance(plans, str):  # iterating it would parse its characters as plans ("malformed plan '4'")
         plans = parse_plans(plans, L)
-    plans = list(dict.fromkeys(Plan.parse(p, L) if isinstance(p, str) else p.check(L) for p in plans))
+    if isinstance(plans, Plan) or not isinstance(plans, Iterable):  # a Plan or an int failed as "not iterable"
+        raise ValueError(f"plans must be a list of plans (strings or Plans) or one comma-separated string, got "
+                         f"{type(plans).__name__} {plans!r:.40}")
+    plans = list(dict.fromkeys(Plan.parse(p, L) for p in plans))
     device = next(model.parameters()).device
     val = as_tokens(val_tokens)  # (n,)
     # the caller's model leaves as it came: a training loop that evaluates mid-run keeps its train mode

@@ -33,7 +33,7 @@ from snlp.model.fingerprint import same_weights, weights_fingerprint
 from snlp.model.gpt import GPT, GPTConfig, check_gpt
 from snlp.io.nanochat import is_nanochat_dir, load_nanochat, why_not_nanochat, nanochat_depth
 from snlp.io.source import did_you_mean, home_path
-from snlp.io.weights import check_finite
+from snlp.io.weights import check_cast, check_finite
 from snlp.io.tokenizer import FILENAME as TOKENIZER_FILE
 from snlp.io.tokenizer import META_FILENAME as TOKENIZER_META
 from snlp.io.tokenizer import Tokenizer
@@ -337,15 +337,24 @@ def stored_dtype(path) -> torch.dtype:
     from safetensors import safe_open
 
     wf = checkpoint_dir(path) / WEIGHTS
-    with safe_open(str(wf), "pt") as f:
-        name = f.get_slice("wte.weight").get_dtype()  # safetensors' name: F32, BF16, F16, F64
-    return {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[name]
+    try:
+        with safe_open(str(wf), "pt") as f:
+            name = f.get_slice("wte.weight").get_dtype() if "wte.weight" in f.keys() else None  # F32, BF16, F16, F64
+    except (SafetensorError, OSError, RuntimeError) as e:  # as `load` says it (a caller may read this first)
+        raise ValueError(f"corrupt or truncated weights file {wf} ({e}); restore it or re-train") from e
+    dtypes = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"weights in {wf} " + ("hold no wte.weight" if name is None else f"are in {name}") +
+                         ": not an snlp checkpoint's (float64, float32, bfloat16 or float16 weights)")
+    return dtypes[name]
 
 
-def load(path, device="cpu", overrides: dict | None = None, need_tokenizer: str | None = None
-         ) -> tuple[GPT, Tokenizer | None]:
+def load(path, device="cpu", overrides: dict | None = None, need_tokenizer: str | None = None,
+         dtype: torch.dtype | None = None) -> tuple[GPT, Tokenizer | None]:
     """Load a checkpoint directory -> (model in eval mode on `device`, in float32 whatever dtype its weights were
-    saved in (`stored_dtype`; cast it with model.to), tokenizer or None): an snlp checkpoint, or a
+    saved in (`stored_dtype`), or in `dtype`: the weights then convert once from the stored dtype, so an fp64
+    checkpoint loaded with dtype=torch.float64 keeps its own weights, which load's float32 followed by model.to
+    would have rounded to float32; tokenizer or None): an snlp checkpoint, or a
     nanochat / nanochat-snlp one (model_NNNNNN.pt + meta_NNNNNN.json, its last step; snlp.io.nanochat: fp32, no
     tokenizer; `overrides`, GPTConfig fields, pick the nanochat version where its files do not). Raises
     FileNotFoundError for missing files and ValueError for corrupt or mismatched ones, and for a `device` this
@@ -354,12 +363,14 @@ def load(path, device="cpu", overrides: dict | None = None, need_tokenizer: str 
     needs a tokenizer for; a checkpoint without one is then refused with it before its weights are read (a large
     model's load was spent on a run that could not start)."""
     cli_device(device, "device=")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype={dtype!r}: a floating torch dtype (e.g. torch.float64) or None (float32)")
     path = home_path(path)
     if is_nanochat_dir(path):
         if need_tokenizer:
             raise ValueError(f"nanochat checkpoint {path} has no {TOKENIZER_FILE} (nanochat's tokenizer is not "
                              f"converted): {need_tokenizer}")
-        return load_nanochat(path, device=device, overrides=overrides), None
+        return load_nanochat(path, device=device, overrides=overrides, dtype=dtype or torch.float32), None
     if overrides:
         raise ValueError(f"overrides apply to nanochat checkpoints (model_NNNNNN.pt + meta_NNNNNN.json); {path} is "
                          f"not one, and an snlp checkpoint's config.json already holds every constant")
@@ -390,6 +401,10 @@ def load(path, device="cpu", overrides: dict | None = None, need_tokenizer: str 
             + ". The files come from different models; re-save the checkpoint.")
     check_finite(state, wf)
     model = GPT(cfg)
+    if dtype is not None and dtype != torch.float32:
+        if dtype == torch.float16:  # a finite weight past float16's range is refused, as cast_model refuses it
+            check_cast(state, {k: v.to(dtype) for k, v in state.items() if v.is_floating_point()}, dtype, wf)
+        model.to(dtype)
     model.load_state_dict(state, strict=not cfg.tie_embeddings)
     model.to(device).eval()
     tok = None

@@ -150,7 +150,7 @@ def make_drafter(base: GPT, plan: Plan | str, fingerprint: str | None = None, ra
     computed (it reads every weight once). `rank` > 0: LoRA deltas of that rank (alpha default: rank) on the
     base's own suffix matrices instead of copies."""
     alpha = check_rank(rank, alpha)
-    plan = Plan.parse(plan) if isinstance(plan, str) else plan
+    plan = Plan.parse(plan)
     plan.check_model(base.config)
     if base.config.hc_streams:
         raise ValueError("drafters are built for plain residual-stream models (pretrained Llama-family checkpoints); "

@@ -283,16 +283,20 @@ class Plan:
         return s
 
     @classmethod
-    def parse(cls, text: str, n_layer: int | None = None) -> "Plan":
-        """Parse a plan string (see GRAMMAR); with `n_layer`, also check it fits the model."""
+    def parse(cls, text: "str | Plan", n_layer: int | None = None) -> "Plan":
+        """Parse a plan string (see GRAMMAR); with `n_layer`, also check it fits the model. A Plan is taken as it is
+        (checked with `n_layer`), so every entry point that takes a plan string or a Plan reads it here and anything
+        else gets this one-line error, not an AttributeError of its first use."""
+        if n_layer is not None and (isinstance(n_layer, bool) or not isinstance(n_layer, numbers.Integral)):
+            # True is an int: it was read as a 1-layer model ("the model has only L = True")
+            raise ValueError(f"n_layer is the model's layer count, an int; got {type(n_layer).__name__} {n_layer!r}")
+        if isinstance(text, Plan):
+            return text if n_layer is None else text.check(n_layer)
         if not isinstance(text, str):  # 5 or None read as "empty plan string"
             raise ValueError(f"a plan is a string (e.g. 12xF2-h0-K1) or a Plan, got {type(text).__name__} {text!r:.40}. "
                              f"Grammar: {GRAMMAR}")
         if not text.strip():
             raise ValueError(f"empty plan string. Grammar: {GRAMMAR}")
-        if n_layer is not None and (isinstance(n_layer, bool) or not isinstance(n_layer, numbers.Integral)):
-            # True is an int: it was read as a 1-layer model ("the model has only L = True")
-            raise ValueError(f"n_layer is the model's layer count, an int; got {type(n_layer).__name__} {n_layer!r}")
         _check_ascii(text)
         space = re.search(r"\s", text.strip())
         if space:  # float() reads ' .25' as 0.25 and the head's $ matches before a newline: spaced plans would parse

@@ -77,8 +77,7 @@ class SolveResult:
 def as_plan(model: GPT, plan: Plan | str) -> Plan:
     """`plan` parsed if given as a string, and checked against the model's config (which must be an snlp GPT's)."""
     check_gpt(model)
-    plan = Plan.parse(plan) if isinstance(plan, str) else plan
-    return plan.check_model(model.config)
+    return Plan.parse(plan).check_model(model.config)
 
 
 def row_updates(d: Tensor, h: Tensor, real: Tensor | None = None) -> Tensor:

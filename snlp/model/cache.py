@@ -124,7 +124,7 @@ class KVCache:
 
     def check_model(self, model) -> None:
         """Raise a ValueError unless this cache's K/V fit `model`: its layers (a window cache, snlp.dist, holds a run
-        of them from `first`), KV heads, head dim, dtype and device. A cache of another model failed deep inside the
+        of them from `first`), KV heads, head dim, dtype (the weights', or autocast's while it is on) and device. A cache of another model failed deep inside the
         attention (a reshape or dtype error naming neither), or, with more layers or more KV heads than the model
         has, ran on: the extra slots unused, the writes broadcast over the extra heads."""
         cfg, w = model.config, model.wte.weight
@@ -137,13 +137,19 @@ class KVCache:
         if self.k.shape[2] != cfg.n_kv_head or self.k.shape[4] != cfg.head_dim:
             problems.append(f"{self.k.shape[2]} KV heads of dim {self.k.shape[4]} (the model: {cfg.n_kv_head} of dim "
                             f"{cfg.head_dim})")
-        if self.k.dtype != w.dtype:
+        if self.k.dtype != w.dtype and not self.autocast_dtype(w.device.type):
             problems.append(f"dtype {self.k.dtype} (the model: {w.dtype})")
         if self.k.device != w.device and w.device.type != "meta":
             problems.append(f"device {self.k.device} (the model: {w.device})")
         if problems:
             raise ValueError(f"KV cache of another model: {'; '.join(problems)}; allocate one with "
                              f"KVCache.for_model(model, ...)")
+
+    def autocast_dtype(self, device_type: str) -> bool:
+        """True when autocast is on for `device_type` in this cache's dtype: the K/V the attention computes are then
+        in that dtype whatever the weights' (KVCache.for_model(model, dtype=torch.bfloat16) under bf16 autocast of an
+        fp32 model), so the cache holds them as they are and the attention reads them as the model's own cache."""
+        return torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == self.k.dtype
 
     def write(self, layers: int | slice, k: Tensor, v: Tensor, start: int | Tensor) -> tuple[Tensor, Tensor]:
         """Store new K/V (layers..., B, Hkv, T, hd) at positions start..start+T-1 of the given layer

@@ -268,3 +268,20 @@ def test_jacobi_without_a_plan_refuses_a_preheat_calibration_before_any_forward(
     _no_forward(model, monkeypatch)
     with pytest.raises(ValueError, match=r"preheat= is the calibration of a -preheat- plan; without a plan"):
         jacobi_generate(model, [1, 2, 3], None, preheat=pre, max_new_tokens=3)
+
+
+@pytest.mark.parametrize("name", [*DECODERS, "jacobi"])
+def test_a_sequence_prompt_decodes_as_its_list_and_a_set_is_refused(model, name):
+    """The generator check refused every type but list / tuple / range / tensor: a deque or an array.array of ids,
+    which read the same twice and decoded as their list before it, became "prompt must be a list of ids". Any
+    sequence is taken again; one-shot iterators and unordered sets stay refused."""
+    import array
+    import collections
+
+    dec = DECODERS.get(name, lambda m, p, **kw: jacobi_generate(m, p, PLAN, block=3, **kw))
+    want = dec(model, [3, 1, 4, 1], max_new_tokens=3).tokens
+    for seq in (collections.deque([3, 1, 4, 1]), array.array("l", [3, 1, 4, 1])):
+        assert dec(model, seq, max_new_tokens=3).tokens == want, type(seq).__name__
+    for bad in (iter([3, 1, 4, 1]), {3, 1, 4}):
+        with pytest.raises(ValueError, match=rf"prompt must be a list of ids, .* got {type(bad).__name__}"):
+            dec(model, bad, max_new_tokens=3)

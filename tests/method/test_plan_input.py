@@ -146,8 +146,44 @@ def test_n_layer_that_is_not_an_integer_is_refused(n_layer):
     """Plan.parse("2xF2", True) read True as a 1-layer model ("the model has only L = True")."""
     with pytest.raises(ValueError, match=r"n_layer is the model's layer count, an int; got"):
         Plan.parse("2xF2", n_layer)
+    with pytest.raises(ValueError, match=r"n_layer is the model.s layer count"):
+        Plan.parse(Plan.parse("2xF2"), n_layer)
 
 
 def test_n_layer_of_any_integer_type_is_taken():
     import numpy as np
     assert str(Plan.parse("2xF2", np.int64(8))) == str(Plan.parse("2xF2", 8)) == "2xF2-h0-K1"
+
+
+def test_every_entry_point_names_a_plan_that_is_neither_a_string_nor_a_plan():
+    """The entry points that take `Plan | str` passed anything else on as a Plan: bind(m, 5), snlp_generate(m, p, 5),
+    solve(m, idx, None), speculative_generate(m, p, [..]) and evaluate(m, val, [5]) failed with "'int' object has
+    no attribute 'check_model'" (or 'check'), and evaluate(m, val, 5) with "'int' object is not iterable". Plan.parse,
+    which each now reads its plan with, said "a plan is a string or a Plan" and refused a Plan."""
+    import torch
+    from conftest import make_model
+
+    import snlp
+    from snlp.decode import jacobi_generate, snlp_generate, speculative_generate
+
+    m = make_model(n_layer=6)
+    idx = torch.tensor([[1, 2, 3]])
+    plan = Plan.parse("3xF1-h0-K1")
+    assert Plan.parse(plan) is plan and Plan.parse(plan, 6) is plan
+    with pytest.raises(ValueError, match="needs a suffix of N = 3x1 = 3 layers but the model has only L = 2"):
+        Plan.parse(plan, 2)
+    calls = {"bind": lambda p: snlp.bind(m, p), "solve": lambda p: snlp.solve(m, idx, p),
+             "parallel_forward": lambda p: snlp.parallel_forward(m, idx, p),
+             "snlp_generate": lambda p: snlp_generate(m, [1, 2], p, 2),
+             "speculative_generate": lambda p: speculative_generate(m, [1, 2], p, 2, 2),
+             "jacobi_generate": lambda p: jacobi_generate(m, [1, 2], p, 2, 2),
+             "evaluate": lambda p: snlp.evaluate(m, torch.arange(200) % 61, [p])}
+    for name, call in calls.items():
+        for bad in (5, None, ["3xF1-h0-K1"]):
+            if bad is None and name in ("jacobi_generate", "evaluate"):  # no plan: the sequential model there
+                continue
+            says = "needs an SNLP plan" if bad is None and "generate" in name else "a plan is a string"
+            with pytest.raises(ValueError, match=says):
+                call(bad)
+    with pytest.raises(ValueError, match="plans must be a list of plans"):
+        snlp.evaluate(m, torch.arange(200) % 61, 5)

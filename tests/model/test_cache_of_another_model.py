@@ -53,3 +53,26 @@ def test_the_models_own_cache_still_decodes_as_the_full_forward(model):
     with torch.no_grad():
         parts = torch.cat([model(idx[:, :4], cache=cache), model(idx[:, 4:], cache=cache)], 1)
         torch.testing.assert_close(parts, model(idx), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("call", ["model", "parallel_forward", "runner"])
+def test_a_cache_in_the_autocast_dtype_decodes_under_autocast(call):
+    """Under bf16 autocast an fp32 model's attention computes its K/V in bf16, so a bf16 cache
+    (KVCache.for_model(model, dtype=torch.bfloat16)) is the model's own: the cached calls equal the full forward
+    under the same autocast. Outside autocast the same cache is still refused."""
+    model = make_model(n_layer=6, dtype=torch.float32)
+    idx = torch.tensor([[3, 1, 4, 1, 5, 9, 2]])
+    cache = KVCache.for_model(model, batch=1, max_len=16, dtype=torch.bfloat16)
+    runner = snlp.bind(model, "3xF2-h0-K3")
+    step = {"model": lambda x: model(x, cache=cache),
+            "parallel_forward": lambda x: snlp.parallel_forward(model, x, "3xF2-h0-K3", cache=cache),
+            "runner": lambda x: runner(x, cache)}[call]
+    full = {"model": model, "parallel_forward": lambda x: snlp.parallel_forward(model, x, "3xF2-h0-K3"),
+            "runner": runner}[call]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        parts = torch.cat([step(idx[:, :4]), step(idx[:, 4:])], 1)
+        torch.testing.assert_close(parts, full(idx), rtol=0, atol=1e-6)
+    with torch.no_grad(), pytest.raises(ValueError, match="dtype torch.bfloat16"):
+        model(idx, cache=KVCache.for_model(model, batch=1, max_len=16, dtype=torch.bfloat16))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16), pytest.raises(ValueError, match="dtype"):
+        model(idx, cache=KVCache.for_model(model, batch=1, max_len=16, dtype=torch.bfloat16))
