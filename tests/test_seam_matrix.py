@@ -1495,7 +1495,7 @@ def test_regulariser_row_fraction_equals_a_fresh_call_on_its_rows(kind, seed, B,
     m.zero_grad(set_to_none=True)
     # the reference: the CE of the whole batch (sequential, or the plan's logits) + a fresh call on the first r rows
     logits = m(x) if plan is None else parallel_forward(m, x, plan, check_finite=False)
-    ref_ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1), ignore_index=-1)
+    ref_ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1)
     xs = x[:r].clone()
     fresh = RegConfig(surrogate=sur, lam=lam, suffixes=(N,), stride=stride, detach=detach)
     torch.manual_seed(seed)
