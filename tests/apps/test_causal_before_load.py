@@ -57,7 +57,13 @@ def no_load(monkeypatch):
     def loaded(*a, **k):
         raise AssertionError("the model loaded before the refusal")
 
-    monkeypatch.setattr(snlp.io.hf, "from_hf", loaded)
+    # the modules that bind from_hf at import are imported (and patched) here: one first imported under the patch
+    # kept the fake for every later test of its process (a later `snlp adapt` test failed with this assertion)
+    import snlp.eval.harness
+    import snlp.train.adapt
+
+    for mod in (snlp.io.hf, snlp.train.adapt, snlp.eval.harness):
+        monkeypatch.setattr(mod, "from_hf", loaded)
     monkeypatch.setattr(snlp.io.hf, "_load_hf", loaded)
 
 
