@@ -263,8 +263,8 @@ def load_base(src: str, dtype: str = "float32", need_tokenizer: bool = True):
     if p.is_file() and is_snlp_checkpoint(p.parent):  # a file inside an snlp checkpoint names it (as `snlp eval`)
         p = p.parent
     if is_snlp_checkpoint(p) or is_nanochat_dir(p):  # a transformers directory also holds model.safetensors
-        model, tok = load(p)
-        return model.to(getattr(torch, dtype)), tok
+        # built in `dtype` from the stored weights (load + .to would round an fp64 checkpoint through float32)
+        return load(p, dtype=getattr(torch, dtype))
     model, tok = from_hf(src, dtype=dtype)
     if tok is None and need_tokenizer:
         raise ValueError(f"{src} has no tokenizer; adaptation data must be tokenized with the model's own")

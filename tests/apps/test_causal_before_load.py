@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import transformers
 
+import snlp.eval.harness
 import snlp.io.hf
+import snlp.train.adapt
 from snlp.apps.cli import main
 from snlp.apps.common import check_plans_fit
 from snlp.method.plan import Plan
@@ -57,11 +59,8 @@ def no_load(monkeypatch):
     def loaded(*a, **k):
         raise AssertionError("the model loaded before the refusal")
 
-    # the modules that bind from_hf at import are imported (and patched) here: one first imported under the patch
-    # kept the fake for every later test of its process (a later `snlp adapt` test failed with this assertion)
-    import snlp.eval.harness
-    import snlp.train.adapt
-
+    # the modules that bind from_hf at import are imported at the top and patched here: one first imported under
+    # the patch kept the fake for every later test of its process (a later `snlp adapt` test failed with this)
     for mod in (snlp.io.hf, snlp.train.adapt, snlp.eval.harness):
         monkeypatch.setattr(mod, "from_hf", loaded)
     monkeypatch.setattr(snlp.io.hf, "_load_hf", loaded)

@@ -116,3 +116,14 @@ def test_snlp_export_reads_the_stored_dtype_of_a_checkpoint_named_by_a_file_insi
     ck = save_checkpoint(tmp_path / "ck", m)
     assert main(["export", str(ck / "model.safetensors"), "--out", str(tmp_path / "hf")]) == 0
     assert same_state(from_hf(str(tmp_path / "hf"))[0], m)
+
+
+def test_snlp_adapt_base_in_float64_is_the_checkpoints_own(ckpt):
+    """`snlp adapt --dtype float64` (load_base) loaded float32 and cast: the base every drafter distils from had its
+    weights rounded to float32."""
+    from snlp.train.adapt import load_base
+
+    m, path = ckpt
+    base, tok = load_base(str(path), "float64")
+    assert tok is not None and same_state(base, m)
+    assert next(load_base(str(path))[0].parameters()).dtype == torch.float32  # the default stays float32
