@@ -156,8 +156,9 @@ def test_prefill_line_says_why_a_speedup_ties(seq, par, why):
     assert why in prefill_line(2, row)
 
 
-def _varying_alpha_worker(rank: int, world: int, port: int, out: str) -> None:
-    """The benchmark with its speculative runs' acceptance made to differ: run 1 accepts no draft, run 2 every one."""
+def _varying_worker(rank: int, world: int, port: int, out: str, what: str) -> None:
+    """The benchmark with its runs made to differ: `what` = "alpha" (speculative run 1 accepts no draft, run 2 every
+    one) or "seq" (the second timed sequential run's last token changed)."""
     import torch.distributed as dist
 
     from snlp.dist.layer_parallel import DistributedSNLP, distributed_benchmark
@@ -168,15 +169,19 @@ def _varying_alpha_worker(rank: int, world: int, port: int, out: str) -> None:
 
     def generate(self, prompt, mode, *a, **k):
         r = real(self, prompt, mode, *a, **k)
-        if mode == "speculative":
+        if what == "alpha" and mode == "speculative":
             r.accepted = 0 if not seen else r.examined
             seen.append((r.accepted, r.examined, len(r.tokens), r.rounds))
+        elif what == "seq" and mode == "sequential":
+            seen.append(1)
+            if len(seen) == 2:
+                r.tokens = r.tokens[:-1] + [r.tokens[-1] + 1]
         return r
 
     DistributedSNLP.generate = generate
     recs = distributed_benchmark(_model, [Plan.parse(PLAN)], tokens=3, batch=1, warmup=0, runs=RUNS, seed=0,
                                  decode=True, prompt_len=PROMPT_LEN, new_tokens=NEW, blocks=(2,))
-    torch.save((recs, seen), os.path.join(out, f"alpha{rank}.pt"))
+    torch.save((recs, seen), os.path.join(out, f"{what}{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -184,7 +189,7 @@ def test_bench_decode_alpha_comes_from_the_timed_runs_of_the_medians(tmp_path):
     """The speculative row's alpha and tokens/round were the first timed run's while its times are medians over
     every timed run: they are now pooled over those same runs (accepted / examined, tokens / rounds), each run's
     alpha recorded beside."""
-    _spawn(_varying_alpha_worker, 1, str(tmp_path))
+    _spawn(_varying_worker, 1, str(tmp_path), "alpha")
     recs, seen = torch.load(tmp_path / "alpha0.pt", weights_only=False)
     spec = next(r for r in recs if r.get("mode") == "speculative")
     assert len(seen) == RUNS and seen[1][1] > 0
@@ -193,35 +198,10 @@ def test_bench_decode_alpha_comes_from_the_timed_runs_of_the_medians(tmp_path):
     assert spec["tokens_per_round"] == sum(t for *_, t, _ in seen) / sum(r for *_, r in seen)
 
 
-def _varying_sequential_worker(rank: int, world: int, port: int, out: str) -> None:
-    """The benchmark with its second timed sequential run's last token changed (a sequential run that differs)."""
-    import torch.distributed as dist
-
-    from snlp.dist.layer_parallel import DistributedSNLP, distributed_benchmark
-    from snlp.method.plan import Plan
-
-    _init(rank, world, port)
-    real, calls = DistributedSNLP.generate, []
-
-    def generate(self, prompt, mode, *a, **k):
-        r = real(self, prompt, mode, *a, **k)
-        if mode == "sequential":
-            calls.append(1)
-            if len(calls) == 2:
-                r.tokens = r.tokens[:-1] + [r.tokens[-1] + 1]
-        return r
-
-    DistributedSNLP.generate = generate
-    recs = distributed_benchmark(_model, [Plan.parse(PLAN)], tokens=3, batch=1, warmup=0, runs=RUNS, seed=0,
-                                 decode=True, prompt_len=PROMPT_LEN, new_tokens=NEW, blocks=(2,))
-    torch.save(recs, os.path.join(out, f"seq{rank}.pt"))
-    dist.destroy_process_group()
-
-
 def test_bench_decode_rows_match_only_a_sequential_reference_every_run_agrees_on(tmp_path):
     """=seq compared every row with sequential's first timed run only: a later sequential run that differed left the
     speculative row "identical"."""
-    _spawn(_varying_sequential_worker, 1, str(tmp_path))
-    recs = torch.load(tmp_path / "seq0.pt", weights_only=False)
+    _spawn(_varying_worker, 1, str(tmp_path), "seq")
+    recs, _ = torch.load(tmp_path / "seq0.pt", weights_only=False)
     rows = [r for r in recs if r.get("what") == "decode"]
     assert rows and not any(r["matches_sequential"] for r in rows)
