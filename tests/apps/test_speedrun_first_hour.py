@@ -101,8 +101,8 @@ def test_an_ssd_stage_whose_tune_picks_no_drafter_keeps_what_tune_found(monkeypa
     from snlp.apps.speedrun.preset import QUICK
 
     fake = types.SimpleNamespace(picks={"ssd": None}, pick_rule={"ssd": "no eligible measured candidate"},
-                                 pick_tie={"ssd": False}, notes=["every candidate's output differed from sequential"], candidates=[],
-                                 stage1_s=2.0, stage2_s=3.5, costs=[])
+                                 pick_tie={"ssd": False}, notes=["every candidate's output differed from sequential"],
+                                 candidates=[], stage1_s=2.0, stage2_s=3.5, costs=[])
     monkeypatch.setattr(snlp.io.checkpoint, "load", lambda d, device=None: (object(), None))
     monkeypatch.setattr(ssd, "tune_drafter", lambda *a, **k: fake)
     recs = [_rec("sequential", 20.0, [1.0] * 3, 1.0, 1.0), _rec("12xF1-h0-K1", 21.0, [1.8, 1.9, 2.0], 0.5, 0.5)]
