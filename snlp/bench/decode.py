@@ -14,6 +14,7 @@ from snlp.bench.stats import paired_fields
 from snlp.decode.batch import check_batch_plan
 from snlp.decode.generate import sequential_generate, snlp_generate
 from snlp.decode.penalty import check_repetition_penalty
+from snlp.decode.session import pooled_alpha
 from snlp.decode.speculative import ideal_ssd_speedup, speculative_generate
 from snlp.decode.steps import host_syncs, sequential_step, snlp_step
 from snlp.method.plan import Plan
@@ -206,8 +207,8 @@ def _rows(model: GPT, results: dict, seq, drafts: dict, syncs: dict | None, comm
                         if x.draft_ms_per_step]  # a run that drafted nothing has no s
             for k, v in paired_fields("drafter_speedup", s_rounds).items():
                 setattr(row, k, v)
-            row.alpha, row.tokens_per_round = sum(x.accepted for x in rs) / examined, tokens_per_round
-            row.alpha_runs = [x.acceptance_rate if x.examined else None for x in rs]
+            row.alpha, row.tokens_per_round = pooled_alpha(rs), tokens_per_round
+            row.alpha_runs = [pooled_alpha([x]) for x in rs]
             row.drafter_ms_per_step, row.sequential_ms_per_step = draft_ms, seq_step_ms
             row.ideal_ssd_speedup = ideal_ssd_speedup(row.alpha, b, row.drafter_speedup_s)
         rows.append(row)
@@ -316,12 +317,6 @@ def batch_decode_benchmark(model: GPT, plans: list[Plan], batch_sizes=(1, 4, 8),
     return rows
 
 
-def run_alpha(run: list) -> float | None:
-    """One batched run's alpha: its rows' accepted over examined drafts (None: it examined none)."""
-    exam = sum(r.examined for r in run)
-    return sum(r.accepted for r in run) / exam if exam else None
-
-
 def _batch_rows(fns: dict, ref: list, warmup: int, runs: int, common: dict) -> list[BatchDecodeRow]:
     for r in range(warmup):
         for k in round_order(fns, r):
@@ -350,6 +345,6 @@ def _batch_rows(fns: dict, ref: list, warmup: int, runs: int, common: dict) -> l
             alpha=acc / exam if spec and exam else None,
             tokens_per_round=sum(len(r.tokens) for r in every) / rounds if spec and rounds else None,
             drafted_per_round=drafted / rounds if spec and rounds else None, tokens_per_s_runs=mine,
-            alpha_runs=[run_alpha(run) for run in rs] if spec else None,
+            alpha_runs=[pooled_alpha(run) for run in rs] if spec else None,
             **paired_fields("speedup", ratios), **common))
     return rows

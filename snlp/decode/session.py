@@ -108,6 +108,13 @@ class GenerateResult:
 
 
 
+def pooled_alpha(results: list[GenerateResult]) -> float | None:
+    """The acceptance alpha of several decodes (timed runs, a batch's rows) pooled: their accepted over their
+    examined drafts, the maximum-likelihood alpha of them all (None where none examined a draft)."""
+    examined = sum(r.examined for r in results)
+    return sum(r.accepted for r in results) / examined if examined else None
+
+
 def merge_results(results: list[GenerateResult]) -> GenerateResult:
     """Sum the counters and times of several runs (e.g. one per prompt) into one result."""
     first = results[0]

@@ -76,7 +76,7 @@ from snlp.method.plan import Plan
 from snlp.method.scan import affine_scan
 from snlp.decode.penalty import check_repetition_penalty
 from snlp.decode.session import (DecodeSession, GenerateResult, Sampling, check_decode_args, check_picked,
-                                 check_stream, make_generator, sampling)
+                                 check_stream, make_generator, pooled_alpha, sampling)
 from snlp.decode.speculative import penalised_draft_pick, speculative_verdict
 from snlp.method.preheat import Preheat
 from snlp.runtime.timing import now, round_order
@@ -810,8 +810,7 @@ def distributed_benchmark(model_fn, plans: list[Plan], tokens: int, batch: int, 
                     # drafts, tokens over rounds, of all of them), each run's alpha beside; one new token (the
                     # prefill's) drafts nothing: not measured, None
                     examined = sum(r.examined for r in rs)
-                    rec.update(alpha=sum(r.accepted for r in rs) / examined if examined else None,
-                               alpha_runs=[r.acceptance_rate if r.examined else None for r in rs],
+                    rec.update(alpha=pooled_alpha(rs), alpha_runs=[pooled_alpha([r]) for r in rs],
                                tokens_per_round=sum(len(r.tokens) for r in rs) / sum(r.rounds for r in rs),
                                draft_ms_per_step=statistics.median(r.draft_ms_per_step for r in rs) if examined
                                else None,
