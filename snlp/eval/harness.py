@@ -109,13 +109,14 @@ def load_any(pretrained: str, need_tokenizer: str | None = None, dtype: torch.dt
     or a hub id (snlp.from_hf). `need_tokenizer`: what the caller needs a tokenizer for; an snlp or nanochat
     checkpoint without tokenizer.json is then refused with it before its weights are read (snlp.io.checkpoint.load).
     `dtype`: the dtype an snlp / nanochat checkpoint is built in, its weights converted once from the stored ones
-    ("auto": an snlp checkpoint's stored dtype; None: float32, load's); a converted source keeps its own."""
+    ("auto": the checkpoint's stored dtype, snlp.io.checkpoint.stored_dtype; None: float32, load's); a converted
+    source keeps its own."""
     p = home_path(pretrained)
     if is_snlp_checkpoint(p):
         model, tok = load(p, need_tokenizer=need_tokenizer, dtype=stored_dtype(p) if dtype == "auto" else dtype)
         return model, tok, p
     if is_nanochat_dir(p):  # a nanochat / nanochat-snlp checkpoint directory (no tokenizer comes with it)
-        model, tok = load(p, need_tokenizer=need_tokenizer, dtype=None if dtype == "auto" else dtype)
+        model, tok = load(p, need_tokenizer=need_tokenizer, dtype=stored_dtype(p) if dtype == "auto" else dtype)
         return model, tok, None
     model, tok = from_hf(str(p) if p.exists() else pretrained)
     return model, tok, None
@@ -246,7 +247,7 @@ class SNLPLM(TemplateLM):
         else:
             self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
             # auto: the checkpoint's own dtype, as the hf model's dtype="auto": what an snlp checkpoint stored, a
-            # converted source's own (from_hf keeps it). A checkpoint is built in the dtype asked, its weights
+            # nanochat file's first floating tensor's (transformers' rule), a converted source's own (from_hf keeps it). A checkpoint is built in the dtype asked, its weights
             # converted once from the stored ones: load's float32 and then a cast would round an fp64 checkpoint
             want = "auto" if dtype == "auto" else DTYPES[dtype] if dtype in DTYPES else (
                 torch.bfloat16 if self._device.type == "cuda" else torch.float32)
