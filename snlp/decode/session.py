@@ -399,12 +399,18 @@ def stop_set(eos_id, vocab_size: int | None = None) -> frozenset[int]:
     where the caller meant it to stop, silently."""
     if eos_id is None:
         return frozenset()
+    # an int or a list of them, as transformers' generate(eos_token_id=) takes; a tensor or array as those are:
+    # 0-d one id (generate unsqueezes it), 1-D a list. A 0-d tensor has __iter__ but cannot be iterated
+    ndim = getattr(eos_id, "ndim", None)
     try:
-        ids = [operator.index(eos_id)] if not hasattr(eos_id, "__iter__") else [operator.index(i) for i in eos_id]
+        if ndim is not None and ndim > 1 or str(getattr(eos_id, "dtype", "")) in ("torch.bool", "bool"):
+            raise TypeError("not one id or a list of ids")
+        ids = [operator.index(eos_id)] if ndim == 0 or not hasattr(eos_id, "__iter__") else \
+            [operator.index(i) for i in eos_id]
     except TypeError:
         ids = [-1]
     if any(i < 0 for i in ids) or isinstance(eos_id, bool):
-        raise ValueError(f"eos_id must be a token id or a list of token ids >= 0 (got {eos_id!r})")
+        raise ValueError(f"eos_id must be a token id or a list of token ids >= 0 (got {eos_id!r:.80})")
     if vocab_size is not None and any(i >= vocab_size for i in ids):
         raise ValueError(f"eos_id {eos_id!r} holds ids outside the model's vocabulary [0, {vocab_size}): decoding "
                          f"could never stop there (another model's or tokenizer's id?)")

@@ -62,7 +62,7 @@ from snlp.eval.mc import nonfinite
 from snlp.io.checkpoint import is_snlp_checkpoint, load, load_preheat, stored_dtype
 from snlp.io.nanochat import is_nanochat_dir
 from snlp.io.drafter import load_drafter
-from snlp.io.generation import config_repetition_penalty, integer_penalty, unapplied_defaults
+from snlp.io.generation import config_repetition_penalty, contrastive, integer_penalty, unapplied_defaults
 from snlp.io.hf import from_hf
 from snlp.io.source import home_path
 from snlp.io.weights import cast_model
@@ -82,24 +82,26 @@ GEN_NOOPS = {"num_beams": (1,), "num_return_sequences": (1,), "num_beam_groups":
              "epsilon_cutoff": (0.0, None), "eta_cutoff": (0.0, None), "encoder_repetition_penalty": (1.0, None),
              "no_repeat_ngram_size": (0, None), "use_cache": (True, False),
              # unset (None) or off: transformers' generate() stays greedy / sampling (GenerationConfig.get_generation_mode)
-             "penalty_alpha": (0.0, None), "dola_layers": (None,), "force_words_ids": (None,), "constraints": (None,)}
+             "dola_layers": (None,), "force_words_ids": (None,), "constraints": (None,)}
 BEAM_ONLY = {"length_penalty", "early_stopping"}  # act only with num_beams > 1 (refused): any value is a no-op
 # filters of the distribution sampling draws from: greedy decoding draws nothing, so any value is a no-op there
 # (transformers' greedy generate ignores them too); under sampling only their no-op values above are accepted
 SAMPLING_ONLY = {"top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff"}
-# contrastive search's degeneration penalty: do_sample makes generate() sample, whatever penalty_alpha says
-GREEDY_ONLY = {"penalty_alpha"}
 # transformers.GenerationConfig's own top_k / top_p, what a sampled generate() filters with where neither the call nor
 # the model's generation config sets them
 TRANSFORMERS_SAMPLING_DEFAULTS = {"top_k": 50, "top_p": 1.0}
 NO_FILTER = {"top_k": 0, "top_p": 1.0}  # snlp.decode.session.Sampling's values that filter nothing
 
 
-def refused_gen_kwargs(kw: dict, greedy: bool) -> list[str]:
+def refused_gen_kwargs(kw: dict, greedy: bool, top_k=TRANSFORMERS_SAMPLING_DEFAULTS["top_k"]) -> list[str]:
     """The generation options of normalized kwargs `kw` that would change the answer and that snlp's decoders do not
-    implement (beam search, min-p / typical sampling, n-gram bans, ...): those the caller must not lose."""
+    implement (beam search, min-p / typical sampling, n-gram bans, ...): those the caller must not lose. `top_k`: the
+    one the hf model's generate() decodes with (the task's, else the model's generation config's, else transformers'
+    50): penalty_alpha makes contrastive search only in greedy decoding with top_k > 1 (io.generation.contrastive);
+    with do_sample generate() samples, and under top_k <= 1 (or null) it decodes greedily, penalty_alpha unread."""
     return sorted(k for k in set(kw) - GEN_KEYS if not (
-        k in BEAM_ONLY or greedy and k in SAMPLING_ONLY or not greedy and k in GREEDY_ONLY
+        k in BEAM_ONLY or greedy and k in SAMPLING_ONLY
+        or k == "penalty_alpha" and not (greedy and contrastive(kw[k], top_k))
         or k in GEN_NOOPS and kw[k] in GEN_NOOPS[k]))
 
 
@@ -109,13 +111,14 @@ def load_any(pretrained: str, need_tokenizer: str | None = None, dtype: torch.dt
     or a hub id (snlp.from_hf). `need_tokenizer`: what the caller needs a tokenizer for; an snlp or nanochat
     checkpoint without tokenizer.json is then refused with it before its weights are read (snlp.io.checkpoint.load).
     `dtype`: the dtype an snlp / nanochat checkpoint is built in, its weights converted once from the stored ones
-    ("auto": an snlp checkpoint's stored dtype; None: float32, load's); a converted source keeps its own."""
+    ("auto": the checkpoint's stored dtype, snlp.io.checkpoint.stored_dtype; None: float32, load's); a converted
+    source keeps its own."""
     p = home_path(pretrained)
     if is_snlp_checkpoint(p):
         model, tok = load(p, need_tokenizer=need_tokenizer, dtype=stored_dtype(p) if dtype == "auto" else dtype)
         return model, tok, p
     if is_nanochat_dir(p):  # a nanochat / nanochat-snlp checkpoint directory (no tokenizer comes with it)
-        model, tok = load(p, need_tokenizer=need_tokenizer, dtype=None if dtype == "auto" else dtype)
+        model, tok = load(p, need_tokenizer=need_tokenizer, dtype=stored_dtype(p) if dtype == "auto" else dtype)
         return model, tok, None
     model, tok = from_hf(str(p) if p.exists() else pretrained)
     return model, tok, None
@@ -246,7 +249,7 @@ class SNLPLM(TemplateLM):
         else:
             self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
             # auto: the checkpoint's own dtype, as the hf model's dtype="auto": what an snlp checkpoint stored, a
-            # converted source's own (from_hf keeps it). A checkpoint is built in the dtype asked, its weights
+            # nanochat file's first floating tensor's (transformers' rule), a converted source's own (from_hf keeps it). A checkpoint is built in the dtype asked, its weights
             # converted once from the stored ones: load's float32 and then a cast would round an fp64 checkpoint
             want = "auto" if dtype == "auto" else DTYPES[dtype] if dtype in DTYPES else (
                 torch.bfloat16 if self._device.type == "cuda" else torch.float32)
@@ -644,7 +647,8 @@ class SNLPLM(TemplateLM):
         # the task writes as null reaches that generate() as None, which overrides both and filters nothing
         top_k, top_p = (self.sampling_default(k) if k not in kw else NO_FILTER[k] if kw[k] is None else kw[k]
                         for k in ("top_k", "top_p"))
-        refused = refused_gen_kwargs(kw, greedy=not kw["do_sample"])  # a task that samples: its filters count
+        # a task that samples: its filters count; a greedy one: the top_k generate() sees decides its penalty_alpha
+        refused = refused_gen_kwargs(kw, greedy=not kw["do_sample"], top_k=top_k)
         if refused:
             raise ValueError(f"generation options {', '.join(f'{k}={kw[k]!r}' for k in refused)} are not "
                              f"supported by the snlp harness model (greedy, or sampling at a temperature with "

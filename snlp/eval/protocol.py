@@ -52,7 +52,7 @@ from snlp.eval.data import as_tokens, sample_prompts, windows
 from snlp.decode.generate import sequential_generate, snlp_generate
 from snlp.decode.session import NonFiniteModelError
 from snlp.eval.metrics import ar_match, implied_beta, logit_sim, perplexity, top1_agreement
-from snlp.model.gpt import GPT, check_gpt
+from snlp.model.gpt import GPT, check_gpt, eval_mode
 from snlp.method.plan import Plan, parse_plans
 from snlp.runtime.device import json_number, progress_bar
 from snlp.method.preheat import Preheat
@@ -364,13 +364,8 @@ def evaluate(model: GPT, val_tokens, plans, cfg: EvalConfig = EvalConfig(), toke
     device = next(model.parameters()).device
     val = as_tokens(val_tokens)  # (n,)
     # the caller's model leaves as it came: a training loop that evaluates mid-run keeps its train mode
-    modes = [(mod, mod.training) for mod in model.modules()]
-    model.eval()
-    try:
+    with eval_mode(model):
         return _evaluate(model, val, plans, cfg, tokenizer, preheat, on_phase, device)
-    finally:
-        for mod, training in modes:
-            mod.training = training
 
 
 def _evaluate(model: GPT, val, plans: list[Plan], cfg: EvalConfig, tokenizer, preheat: Preheat | None, on_phase,

@@ -31,7 +31,7 @@ from snlp.method.preheat import FILENAME as PREHEAT_FILE
 from snlp.method.preheat import Preheat
 from snlp.model.fingerprint import same_weights, weights_fingerprint
 from snlp.model.gpt import GPT, GPTConfig, check_gpt
-from snlp.io.nanochat import is_nanochat_dir, load_nanochat, why_not_nanochat, nanochat_depth
+from snlp.io.nanochat import is_nanochat_dir, load_nanochat, why_not_nanochat, nanochat_depth, nanochat_stored_dtype
 from snlp.io.source import did_you_mean, home_path
 from snlp.io.weights import check_cast, check_finite
 from snlp.io.tokenizer import FILENAME as TOKENIZER_FILE
@@ -333,9 +333,12 @@ def checkpoint_vocab(path) -> int | None:
 
 def stored_dtype(path) -> torch.dtype:
     """The dtype an snlp checkpoint's weights were saved in (its embedding's), read from the file's header without
-    loading them: `load` builds the model in float32 whatever it is."""
+    loading them, or for a nanochat checkpoint the dtype transformers' dtype="auto" picks for its weights (its first
+    floating tensor's: snlp.io.nanochat.nanochat_stored_dtype): `load` builds the model in float32 whatever it is."""
     from safetensors import safe_open
 
+    if is_nanochat_dir(home_path(path)):
+        return nanochat_stored_dtype(home_path(path))
     wf = checkpoint_dir(path) / WEIGHTS
     try:
         with safe_open(str(wf), "pt") as f:

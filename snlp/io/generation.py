@@ -39,10 +39,21 @@ def unapplied_defaults(defaults: dict, sampling: bool) -> dict:
              and (sampling or k not in SAMPLING_ONLY)}
     alpha, top_k = defaults.get("penalty_alpha"), defaults.get("top_k")
     top_k = 50 if top_k is None else top_k
-    if (not sampling and isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and alpha > 0
-            and isinstance(top_k, (int, float)) and top_k > 1):
+    if not sampling and contrastive(alpha, top_k):
         extra["penalty_alpha"] = alpha
     return extra
+
+
+def contrastive(alpha, top_k) -> bool:
+    """Whether transformers' generate() without sampling runs contrastive search under the penalty_alpha `alpha` and
+    top_k `top_k` it ends up with (a call's kwargs merged over the generation config; None: unset): both set, alpha
+    > 0 and top_k > 1 (GenerationConfig.get_generation_mode), else it decodes greedily and `alpha` changes nothing.
+    A value that is no number (generate()'s comparison raises on it) counts as contrastive: never decoded greedily
+    unasked."""
+    def above(v, floor) -> bool:
+        return v is not None and (not isinstance(v, (int, float)) or v > floor)
+
+    return above(alpha, 0) and above(top_k, 1)
 
 
 def config_repetition_penalty(defaults: dict, where: str = "its generation_config") -> float:

@@ -519,6 +519,42 @@ def unreadable_model_file(mf: Path, e: Exception) -> str:
     return f"corrupt or truncated {mf} ({type(e).__name__}: {first})"
 
 
+def read_state(mf: Path, mmap: bool = False) -> dict[str, torch.Tensor]:
+    """The state dict in nanochat model file `mf`, in the file's order, torch.compile's `_orig_mod.` prefix dropped;
+    a one-line ValueError for a file that holds no state dict of named tensors. `mmap`: the tensors stay in the file
+    (mapped, read only where touched), for a look at their dtypes without reading gigabytes."""
+    try:
+        try:
+            sd = torch.load(mf, map_location="cpu", weights_only=True, mmap=mmap)
+        except RuntimeError as e:
+            if not (mmap and "mmap can only be used" in str(e)):
+                raise
+            sd = torch.load(mf, map_location="cpu", weights_only=True)  # torch.save's legacy format maps nothing
+    except Exception as e:  # torch.load raises assorted types on truncated / foreign files
+        raise ValueError(unreadable_model_file(mf, e)) from e
+    if not isinstance(sd, dict):
+        raise ValueError(f"{mf} does not hold a state dict")
+    odd = sorted(str(k) for k, v in sd.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor))
+    if odd:
+        raise ValueError(f"{mf} does not hold a state dict of named tensors: {odd[:3]} are not")
+    return {k.removeprefix("_orig_mod."): v for k, v in sd.items()}
+
+
+def nanochat_stored_dtype(path, step: int | None = None) -> torch.dtype:
+    """The dtype transformers' from_pretrained(dtype="auto") (lm-eval's hf model's dtype=auto) picks for the
+    weights of nanochat checkpoint `path` at `step` (default: the last; a model_NNNNNN.pt path names its step): its
+    config names no dtype (nanochat's meta has none), so the dtype of the file's first floating-point tensor in the
+    order torch.save wrote them (transformers' modeling_utils.get_state_dict_dtype). A file of bf16 tensors gives
+    bfloat16; the paper's code keeps only its embeddings in bf16 and saves resid_lambdas, fp32, first: float32."""
+    path, step = nanochat_step(path, step)
+    mf = path / f"model_{step:06d}.pt"
+    sd = read_state(mf, mmap=True)
+    for v in sd.values():
+        if v.is_floating_point() and v.element_size() > 1:  # float8 / float4: transformers skips them too
+            return v.dtype
+    raise ValueError(f"{mf} holds no floating-point tensor: not a nanochat model's weights")
+
+
 def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtype = torch.float32,
                   overrides: dict | None = None) -> GPT:
     """The snlp GPT (eval mode, `dtype`, on `device`) of nanochat checkpoint directory `path` at `step` (default:
@@ -536,16 +572,7 @@ def load_nanochat(path, step: int | None = None, device="cpu", dtype: torch.dtyp
             raise TypeError("model_config is not an object")
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, OSError) as e:
         raise ValueError(f"corrupt {jf}: expected JSON with a model_config object ({e})") from e
-    try:
-        sd = torch.load(mf, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch.load raises assorted types on truncated / foreign files
-        raise ValueError(unreadable_model_file(mf, e)) from e
-    if not isinstance(sd, dict):
-        raise ValueError(f"{mf} does not hold a state dict")
-    odd = sorted(str(k) for k, v in sd.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor))
-    if odd:
-        raise ValueError(f"{mf} does not hold a state dict of named tensors: {odd[:3]} are not")
-    sd = {k.removeprefix("_orig_mod."): v for k, v in sd.items()}
+    sd = read_state(mf)
     cfg = nanochat_config(sd, mc, overrides, mf)
     stored = state_from_nanochat(sd, cfg)
     check_finite(stored, mf)  # the file's own values: a NaN / inf there is the checkpoint's

@@ -27,6 +27,15 @@ NO_LIMIT = int(1e30)  # transformers' model_max_length of a tokenizer that names
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
+def check_text(text, what: str) -> str:
+    """`text` when it is a str; else a one-line ValueError naming the method `what` and what was given (tokenizers'
+    own error, "TextInputSequence must be str", names neither)."""
+    if not isinstance(text, str):
+        raise ValueError(f"Tokenizer.{what} takes a str, got {type(text).__name__} {text!r:.40}"
+                         + (": decode the bytes first" if isinstance(text, (bytes, bytearray)) else ""))
+    return text
+
+
 class Tokenizer:
     """Thin wrapper over a `tokenizers.Tokenizer`: encode/decode, bos_id, eos_id, vocab_size, save/load,
     chat template. `meta` is None for our own BPE; for a foreign (converted) tokenizer it holds
@@ -73,13 +82,15 @@ class Tokenizer:
         return cls(tok)
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+        """The token ids of `text` (a str; anything else is a one-line ValueError, as `tokenizers` raised its own
+        TypeError). Special-token strings in it are read as the markers (see encode_plain)."""
+        return self.tok.encode(check_text(text, "encode"), add_special_tokens=False).ids
 
     def encode_plain(self, text: str) -> list[int]:
         """`text` as ordinary text: a special token's string in it (e.g. "<|assistant_end|>" quoted in a chat) is
         encoded as the bytes it is, never as the marker, as nanochat's tokenizer encodes chat content (tiktoken
         `encode_ordinary` in `render_conversation`). Equal to `encode` on text without such strings."""
-        return self._plain.encode(text, add_special_tokens=False).ids
+        return self._plain.encode(check_text(text, "encode_plain"), add_special_tokens=False).ids
 
     @functools.cached_property
     def _plain(self) -> HFTokenizer:
@@ -107,10 +118,21 @@ class Tokenizer:
         return self.fingerprint() if self.foreign else f"{self.fingerprint()}-plain"
 
     def decode(self, ids, mark_missing: bool = False) -> str:
-        """The text of token ids (ints, numpy or 0-d tensor integers). An id the tokenizer has no token for (a model
+        """The text of token ids (ints, numpy or 0-d tensor integers; a 1-D tensor or array). One id alone (an int,
+        a numpy integer, a 0-d tensor or array) is its text, as transformers' tokenizer.decode takes it; a 2-D
+        batch is refused in one line (decode each row). An id the tokenizer has no token for (a model
         whose vocabulary is padded past its tokenizer's sampled one of the padding rows) is refused in one line naming
         it, as `tokenizers` would drop it from the text silently; with `mark_missing` it is shown as
         `<|no token N|>` instead, so generated text is printed and saved whole, every id accounted for."""
+        ndim = getattr(ids, "ndim", None)
+        if ndim is not None and ndim > 1:
+            raise ValueError(f"decode takes one sequence of token ids, got a {ndim}-D {type(ids).__name__} of shape "
+                             f"{tuple(ids.shape)}: decode each row")
+        if ndim == 0 or isinstance(ids, int):
+            ids = [ids]  # one id (a bool is refused below, as in a list)
+        elif not hasattr(ids, "__iter__") or isinstance(ids, (str, bytes)):
+            raise ValueError(f"decode takes token ids (a list of ints, a 1-D tensor or array, or one id), got "
+                             f"{type(ids).__name__} {ids!r:.40}")
         out, marks = [], []  # the ids with a token; (how many of them come first, id) for each id without one
         for i in ids:
             try:

@@ -50,7 +50,9 @@ nanochat(-snlp) parts (snlp.io.nanochat sets them; all off by default):
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -548,3 +550,17 @@ def check_gpt(model, what: str = "model") -> None:
     else:
         how = "build one with snlp.GPT(config), snlp.load(dir) or snlp.from_hf(src)"
     raise TypeError(f"{what} is a {name}, not an snlp GPT: {how}")
+
+
+@contextmanager
+def eval_mode(module: nn.Module) -> Iterator[nn.Module]:
+    """`module` in eval mode inside the block, and on leaving it (an exception too) every submodule back in the
+    train / eval mode it came in: a caller's model with some parts kept in eval mode (a frozen prefix, dropout off in
+    one block) keeps them so, which `module.train(was)` would not (it sets every submodule to `was`)."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield module
+    finally:
+        for m, training in modes:
+            m.training = training

@@ -58,7 +58,7 @@ from snlp.method.plan import Plan
 from snlp.method.solver import solve
 from snlp.method.ssd_solve import check_ssd_plan, exact_kv, ssd_solve
 from snlp.model.fingerprint import same_weights, weights_fingerprint
-from snlp.model.gpt import GPT
+from snlp.model.gpt import GPT, eval_mode
 from snlp.model.ops import norm
 from snlp.train.checkpointing import UNSAVED_LOG, check_resume_left, read_log, unsaved_log_path
 from snlp.train.config import TrainConfig, resumed
@@ -367,26 +367,26 @@ def validate_drafter(base: GPT, drafter: Drafter, batches, cfg: AdaptConfig, dev
     """KL, MSE and Top-1 agreement with the base (teacher-forced window and SSD conditions) on `batches`. `rows`:
     the most rows one forward runs (under DDP a batch holds the global batch's rows: snlp.train.validate.validate);
     every position counts in each term, so a batch's means are its slices' means weighted by their rows."""
-    was = drafter.model.training
-    drafter.model.eval()
     kl = mse = top1 = top1_ssd = 0.0
-    try:
-        modes = KV_MODES if check_ssd_plan(drafter.plan) else ()
-    except ValueError:  # a plan ssd_solve does not cover (kv="own" only): no SSD-conditions metric (None)
-        modes = ("own",)
-    for x, w in ((xb[cut], xb[cut].size(0) / xb.size(0)) for xb, _ in batches for cut in row_slices(xb.size(0), rows)):
-        x = x.to(device)
-        hS, hL_t, logits_t, kvx, hb = teacher(base, x, drafter.plan, "exact" if "exact" in modes else "own")
-        ref = logits_t.argmax(-1)
-        outs = {"exact": (0.0, 0.0, 0.0)}
-        for mode in modes:
-            k, m, lg = distill_terms(drafter, hL_t, logits_t, student(drafter, x, hS, kvx, mode, hb), cfg.tau)
-            outs[mode] = (float(k), float(m), float((lg.argmax(-1) == ref).double().mean()))
-        kl += outs[cfg.kv][0] * w
-        mse += outs[cfg.kv][1] * w
-        top1 += outs["own"][2] * w
-        top1_ssd += outs["exact"][2] * w
-    drafter.model.train(was)
+    # the training loop's drafter leaves in the modes it came in (each submodule's own), an exception too
+    with eval_mode(drafter.model):
+        try:
+            modes = KV_MODES if check_ssd_plan(drafter.plan) else ()
+        except ValueError:  # a plan ssd_solve does not cover (kv="own" only): no SSD-conditions metric (None)
+            modes = ("own",)
+        slices = ((xb[cut], xb[cut].size(0) / xb.size(0)) for xb, _ in batches for cut in row_slices(xb.size(0), rows))
+        for x, w in slices:
+            x = x.to(device)
+            hS, hL_t, logits_t, kvx, hb = teacher(base, x, drafter.plan, "exact" if "exact" in modes else "own")
+            ref = logits_t.argmax(-1)
+            outs = {"exact": (0.0, 0.0, 0.0)}
+            for mode in modes:
+                k, m, lg = distill_terms(drafter, hL_t, logits_t, student(drafter, x, hS, kvx, mode, hb), cfg.tau)
+                outs[mode] = (float(k), float(m), float((lg.argmax(-1) == ref).double().mean()))
+            kl += outs[cfg.kv][0] * w
+            mse += outs[cfg.kv][1] * w
+            top1 += outs["own"][2] * w
+            top1_ssd += outs["exact"][2] * w
     n = len(batches)
     return AdaptValidation(loss=kl / n, top1=top1 / n, top1_ssd=top1_ssd / n if "exact" in modes else None,
                            mse=mse / n)

@@ -331,6 +331,8 @@ def train_step(run: Run, state: LoopState) -> StepStats:
     lam = reg.weight(state.step) if reg is not None else 0.0
     mult = lr_multiplier(state.step, run.progress.frac, cfg.warmup_steps, cfg.warmdown)
     set_lr(run.opts, mult)
+    # sums in at least fp32, in the CE's own dtype when it is wider: an fp64 model's logged loss is then its fp64
+    # mean (an in-place += into an fp32 zero rounded every micro-batch's CE to fp32)
     ce_sum = torch.zeros((), device=ctx.device)
     reg_sum = torch.zeros((), device=ctx.device)
     n_tok = 0
@@ -356,8 +358,8 @@ def train_step(run: Run, state: LoopState) -> StepStats:
                 loss, ce, rg = run.stepper(x, y, lam, *extra, **({} if share is None else {"share": share}))
             (loss / cfg.grad_accum).backward()
         # weighted as the loss is (token_shares): the ranks' average below is then the global batch's token mean
-        ce_sum += ce if share is None else ce * share[0]
-        reg_sum += rg if share is None else rg * share[1]
+        ce_sum = ce_sum + (ce if share is None else ce * share[0])  # out of place: promoted to the wider dtype
+        reg_sum = reg_sum + (rg if share is None else rg * share[1])
     # the norm is measured without clipping too (--grad-clip 0, the paper script's setting): it is what shows a
     # non-finite gradient (a loss term that overflowed while the logged CE and term stayed finite), on which
     # train_loop stops the run before a save keeps the NaN weights the optimizer makes of it
@@ -369,7 +371,8 @@ def train_step(run: Run, state: LoopState) -> StepStats:
     for o in run.opts:
         o.zero_grad(set_to_none=True)
     state.step += 1
-    stats = torch.stack([ce_sum.float(), reg_sum.float()]) / cfg.grad_accum
+    wide = torch.promote_types(ce_sum.dtype, reg_sum.dtype)
+    stats = torch.stack([ce_sum.to(wide), reg_sum.to(wide)]) / cfg.grad_accum
     st = reduce_step(run, state, stats, n_tok, lam, mult, gnorm)
     st.step_s = time.perf_counter() - t0  # after reduce_step's host read: the device has finished the step
     state.step_times.append((st.tokens, st.step_s))

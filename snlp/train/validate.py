@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from snlp.method.plan import Plan
 from snlp.method.solver import solve
-from snlp.model.gpt import GPT
+from snlp.model.gpt import GPT, eval_mode
 from snlp.train.regularizer import RegConfig, snlp_gap
 
 
@@ -55,27 +55,27 @@ def validate(model: GPT, batches, device, autocast: Callable[[], ContextManager]
     one forward of them all would hold P times the (rows, T, V) logits training needs); each batch's CE and gaps
     are then its slices' means weighted by their targets / positions, the batch's own token means. None: whole."""
     reg = reg or RegConfig()
-    was = model.training
-    model.eval()
     ce, ce_plan, gaps = 0.0, 0.0, {n: 0.0 for n in suffixes}
-    for xb, yb in batches:
-        cuts = row_slices(xb.size(0), rows)
-        n_ce = max(int((yb != -1).sum()), 1)
-        for cut in cuts:
-            x, y = xb[cut], yb[cut]
-            # one forward: the batch's means as they are; slices: each one's share of the batch's targets (CE) and
-            # positions (gaps)
-            w_ce, w_pos = (1.0, 1.0) if len(cuts) == 1 else (int((y != -1).sum()) / n_ce, x.size(0) / xb.size(0))
-            x, y = x.to(device), y.to(device)
-            with autocast():
-                if w_ce > 0:  # a slice without targets: its CE mean is 0/0 and weighs nothing
-                    ce += float(model(x, y)) * w_ce
-                if plan is not None and w_ce > 0:
-                    lg = model.head(solve(model, x, plan, check_finite=False).hidden)
-                    ce_plan += float(F.cross_entropy(lg.view(-1, lg.size(-1)), y.reshape(-1), ignore_index=-1)) * w_ce
-                for n in suffixes:
-                    gaps[n] += snlp_gap(model, x, reg.plan(n)) * w_pos
-    model.train(was)
+    # the training loop's model leaves in the modes it came in (each submodule's own), an exception too
+    with eval_mode(model):
+        for xb, yb in batches:
+            cuts = row_slices(xb.size(0), rows)
+            n_ce = max(int((yb != -1).sum()), 1)
+            for cut in cuts:
+                x, y = xb[cut], yb[cut]
+                # one forward: the batch's means as they are; slices: each one's share of the batch's targets (CE) and
+                # positions (gaps)
+                w_ce, w_pos = (1.0, 1.0) if len(cuts) == 1 else (int((y != -1).sum()) / n_ce, x.size(0) / xb.size(0))
+                x, y = x.to(device), y.to(device)
+                with autocast():
+                    if w_ce > 0:  # a slice without targets: its CE mean is 0/0 and weighs nothing
+                        ce += float(model(x, y)) * w_ce
+                    if plan is not None and w_ce > 0:
+                        lg = model.head(solve(model, x, plan, check_finite=False).hidden)
+                        ce_plan += float(F.cross_entropy(lg.view(-1, lg.size(-1)), y.reshape(-1),
+                                                         ignore_index=-1)) * w_ce
+                    for n in suffixes:
+                        gaps[n] += snlp_gap(model, x, reg.plan(n)) * w_pos
     k = len(batches)
     return ValidationResult(loss=ce / k, gaps={n: g / k for n, g in gaps.items()},
                             loss_plan=ce_plan / k if plan is not None else None)

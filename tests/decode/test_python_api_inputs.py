@@ -285,3 +285,27 @@ def test_a_sequence_prompt_decodes_as_its_list_and_a_set_is_refused(model, name)
     for bad in (iter([3, 1, 4, 1]), {3, 1, 4}):
         with pytest.raises(ValueError, match=rf"prompt must be a list of ids, .* got {type(bad).__name__}"):
             dec(model, bad, max_new_tokens=3)
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_a_0d_tensor_eos_id_stops_where_its_int_does_and_a_2d_one_is_refused(model, monkeypatch, name):
+    """A 0-d tensor eos_id was refused as no token id while a 1-D one was taken; transformers' generate(eos_token_id=)
+    takes a 0-d tensor as one id (it unsqueezes it). Reference: the full-forward greedy loop stopping at that id;
+    a 2-D eos_id (a nested list as a tensor) is neither an id nor a list of them: refused in one line, before any
+    forward."""
+    dec = DECODERS[name]
+    prompt = [3, 1, 4, 1, 5]
+    free = argmax_loop(model, prompt, 8)
+    eos = free[3]  # stops there (or earlier, where it came first)
+    want = argmax_loop(model, prompt, 8, eos)
+    assert len(want) < len(free) and want[-1] == eos
+    for form in (eos, [eos], torch.tensor(eos), torch.tensor([eos]), np.int64(eos), np.array(eos)):
+        got = dec(model, prompt, max_new_tokens=8, eos_id=form).tokens
+        if name != "snlp":
+            assert got == want, form
+        assert got == dec(model, prompt, max_new_tokens=8, eos_id=eos).tokens, form
+    _no_forward(model, monkeypatch)
+    for bad in (torch.tensor([[eos]]), torch.tensor(True), torch.tensor(float(eos))):
+        with pytest.raises(ValueError, match="eos_id must be a token id") as err:
+            dec(model, prompt, max_new_tokens=8, eos_id=bad)
+        assert "\n" not in str(err.value)

@@ -640,3 +640,31 @@ def test_a_config_penalty_alpha_is_read_with_the_tasks_kwargs_merged_over_it(tmp
     else:
         with pytest.raises(ValueError, match="penalty_alpha=0.6"):
             lm.generate_until(g)
+
+
+@pytest.mark.parametrize("config,task", [
+    ({}, {"penalty_alpha": 0.6, "top_k": 1}), ({}, {"penalty_alpha": 0.6, "top_k": 0}),
+    ({}, {"penalty_alpha": 0.6, "top_k": None}), ({"top_k": 1}, {"penalty_alpha": 0.6}),
+    ({}, {"penalty_alpha": -0.5, "top_k": 4}), ({}, {"penalty_alpha": 0.6}),
+    ({"top_k": 1}, {"penalty_alpha": 0.6, "top_k": 4}), ({}, {"penalty_alpha": 0.6, "top_k": 4})])
+def test_a_tasks_penalty_alpha_is_refused_exactly_where_transformers_runs_contrastive_search(tmp_path, config, task):
+    """A greedy task's penalty_alpha was refused whatever its top_k, though transformers' generate() decodes greedily
+    under top_k <= 1 (the task's, or the model's generation config's where the task sets none) or penalty_alpha <= 0.
+    Reference: the mode the installed transformers picks, its own merge of the call's kwargs over the model's
+    generation config (GenerationMixin._prepare_generation_config) and its GenerationConfig.get_generation_mode."""
+    import warnings
+
+    d = _tiny_dir(tmp_path / "m")
+    (d / "generation_config.json").write_text(json.dumps(dict(bos_token_id=V - 3, eos_token_id=V - 2, **config)))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(d))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mode = hf._prepare_generation_config(None, do_sample=False, **task)[0].get_generation_mode()
+    assert mode in ("greedy_search", "contrastive_search")
+    lm = SNLPLM(pretrained=str(d), dtype="float64")
+    g = _reqs("generate_until", [("t4", {"until": [], "max_gen_toks": 2, "do_sample": False, **task})])
+    if mode == "greedy_search":
+        assert len(lm.generate_until(g)) == 1
+    else:
+        with pytest.raises(ValueError, match="penalty_alpha"):
+            lm.generate_until(g)

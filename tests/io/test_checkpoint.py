@@ -62,6 +62,38 @@ def test_decode_takes_every_integer_form_alike(tok):
     assert tok.decode([299]) == tok.tok.decode([299])  # the last id of the vocabulary is still one
 
 
+@pytest.mark.parametrize("text", [b"Whether 'tis nobler", 5, None, ["Whether"]])
+def test_encode_of_anything_but_a_str_is_one_line_naming_it(tok, text):
+    """encode / encode_plain of bytes, an int, None or a list gave tokenizers' TypeError "TextInputSequence must be
+    str", which names neither the method nor what it was given."""
+    for what in ("encode", "encode_plain"):
+        with pytest.raises(ValueError, match=rf"^Tokenizer\.{what} takes a str, got {type(text).__name__}") as err:
+            getattr(tok, what)(text)
+        assert "\n" not in str(err.value)
+
+
+def test_decode_of_one_id_is_its_text_as_transformers_decodes_it(tok):
+    """decode of a 0-d tensor (a sampled token, `logits.argmax()`) or an int gave torch's "iteration over a 0-d
+    tensor" / "'int' object is not iterable"; transformers' tokenizer.decode takes one id as its text. Reference:
+    transformers' PreTrainedTokenizerFast over the same tokenizer (a copy). A 2-D batch is refused in one line."""
+    import numpy as np
+    import transformers
+    from tokenizers import Tokenizer as HFTok
+
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=HFTok.from_str(tok.tok.to_str()))
+    ids = tok.encode("Whether 'tis nobler")
+    for i in ids[:3]:
+        for one in (i, torch.tensor(i), np.int64(i), np.array(i)):
+            assert tok.decode(one) == hf.decode(one) == tok.decode([i]), one
+    assert tok.decode(torch.tensor(ids)) == hf.decode(torch.tensor(ids))
+    for bad, match in ((torch.tensor([ids, ids]), "one sequence of token ids, got a 2-D"),
+                       (torch.tensor(5.0), "token ids must be integers"), (5.0, "decode takes token ids"),
+                       (None, "decode takes token ids")):
+        with pytest.raises(ValueError, match=match) as err:
+            tok.decode(bad)
+        assert "\n" not in str(err.value)
+
+
 def test_roundtrip_and_atomic_overwrite(tok, tmp_path):
     m = tiny()
     path = tmp_path / "ck"

@@ -5,6 +5,9 @@ weights."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -127,3 +130,39 @@ def test_snlp_adapt_base_in_float64_is_the_checkpoints_own(ckpt):
     base, tok = load_base(str(path), "float64")
     assert tok is not None and same_state(base, m)
     assert next(load_base(str(path))[0].parameters()).dtype == torch.float32  # the default stays float32
+
+
+NANOCHAT = Path(__file__).resolve().parents[1] / "data" / "nanochat"
+
+
+def paper_layout(src: Path, dst: Path) -> Path:
+    """`src`'s nanochat checkpoint re-saved as the paper's code keeps its weights on a GPU: the embeddings in bf16,
+    every other tensor in fp32, in the file's own order (resid_lambdas first)."""
+    dst.mkdir()
+    sd = torch.load(src / "model_000000.pt", map_location="cpu", weights_only=True)
+    keep = ("transformer.wte.", "value_embeds.")
+    torch.save({k: v if k.startswith(keep) else v.float() for k, v in sd.items()}, dst / "model_000000.pt")
+    shutil.copy(src / "meta_000000.json", dst / "meta_000000.json")
+    return dst
+
+
+@pytest.mark.parametrize("name", ["nanochat-L", "upstream-2c4473d", "upstream-92d63d4", "paper-layout"])
+def test_dtype_auto_of_a_nanochat_checkpoint_is_what_transformers_auto_picks(name, tmp_path):
+    """The harness model's dtype=auto built a nanochat checkpoint in float32 (load's default) whatever its weights,
+    and stored_dtype refused the folder as a corrupt snlp checkpoint. transformers' dtype="auto" takes a config's
+    dtype, else the file's first floating tensor's (nanochat's meta has none): stored_dtype, load(dtype=) and the
+    harness's auto now agree with it, bf16 for the vendored all-bf16 files, fp32 for the paper's layout."""
+    pytest.importorskip("lm_eval")
+    from transformers.modeling_utils import get_state_dict_dtype
+
+    from snlp.eval.harness import SNLPLM
+
+    d = paper_layout(NANOCHAT / "nanochat-L", tmp_path / "p") if name == "paper-layout" else NANOCHAT / name
+    want = get_state_dict_dtype(torch.load(d / "model_000000.pt", map_location="cpu", weights_only=True))
+    assert want == (torch.float32 if name == "paper-layout" else torch.bfloat16)
+    assert stored_dtype(d) == stored_dtype(d / "model_000000.pt") == want
+    tok = Tokenizer.train(["the quick brown fox jumps over the lazy dog\n"] * 20, vocab_size=300)  # none comes with it
+    lm = SNLPLM(pretrained=str(d), tokenizer=tok, dtype="auto", device="cpu")
+    assert lm.model.wte.weight.dtype == want and f"dtype={str(want).removeprefix('torch.')}," in lm.model_args
+    assert load(d, dtype=stored_dtype(d))[0].wte.weight.dtype == want
+    assert load(d)[0].wte.weight.dtype == torch.float32  # no dtype: float32, as nanochat's CPU loader upcasts

@@ -102,3 +102,39 @@ def test_fit_is_the_documented_loop(tmp_path):
         # fp32 round-off between the two summation orders of the regulariser, which Adam's per-element
         # normalisation lifts in elements whose gradient is near 0 (measured: <= 1e-3 in 95 of value_embeds' 38400)
         torch.testing.assert_close(saved[k], w, rtol=1e-3, atol=2e-3, msg=k)
+
+
+def test_the_logged_loss_of_an_fp64_model_is_its_fp64_mean(tmp_path):
+    """The step summed its micro-batches' CE into an fp32 zero (`+=` in place), so an fp64 model's logged loss was
+    rounded to fp32 (~1e-7 relative). Reference: each micro-batch's CE written out from the log-softmax in fp64 and
+    their plain mean, on the same init and batches; they agree to fp64 round-off."""
+    from snlp.train.pretrain import pretrain_job
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(SHAKESPEARE.read_text()[:30_000])
+    cfg = TrainConfig(out=str(tmp_path / "run"), data=str(corpus), cache_dir=str(tmp_path / "cache"), depth=2, width=32,
+                      head_dim=16, vocab_size=300, seq_len=16, batch_size=2, grad_accum=3, steps=1, optimizer="adamw",
+                      reg="none", log_every=1, eval_every=100, eval_batches=1, no_progress=True, device="cpu")
+
+    def fp64_job(*args):
+        job = pretrain_job(*args)
+        job.model.double()  # in place: the job's step holds this model
+        return job
+
+    fit(cfg, make_job=fp64_job)
+    logged = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    loss = next(r["loss"] for r in logged if r.get("step") == 1 and "loss" in r)
+    tok, tokens = prepare_data(cfg, None, 0, 1)
+    m = GPT(build_config(cfg, tok.vocab_size))
+    m.init_weights(seed=cfg.seed)
+    m = m.double().eval()
+    ces = []
+    with torch.no_grad():
+        for micro in range(cfg.grad_accum):
+            x, y = D.batch_at(tokens.train, micro, cfg.seq_len, cfg.batch_size, cfg.seed)
+            logits = m(x)
+            assert logits.dtype == torch.float64
+            lp = torch.log_softmax(logits, -1).gather(-1, y[..., None])  # (B, T, 1)
+            ces.append(-sum(float(v) for v in lp.flatten()) / y.numel())
+    ref = sum(ces) / len(ces)
+    assert abs(loss - ref) <= 1e-12 * abs(ref), (loss, ref, loss - ref)
