@@ -187,12 +187,14 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
     else:
         prompt = tok.prompt_ids(args.prompt)
     if rank == 0:  # snlp.apps.generate.run's notes: an empty prompt, a decode reaching past the trained context
+        from snlp.apps.common import warn_causal_idle
         from snlp.apps.streaming import past_context
 
         if not args.prompt and not getattr(args, "chat", False):
             print("snlp generate: the prompt is empty: generating from the tokenizer's BOS alone (give --prompt TEXT "
                   "to continue a text)", file=sys.stderr)
         past_context(ckpt, len(prompt), args.max_new_tokens)
+        warn_causal_idle([plan], ckpt.config, len(prompt) + args.max_new_tokens)
     runner = DistributedSNLP(ckpt.meta_model(), plan, keep_layers=args.mode != "snlp", checkpoint=ckpt,
                              preheat=ckpt.preheat() if plan.init == "preheat" else None)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, eos_id=eos_id,
