@@ -38,6 +38,18 @@ def defaults_note(defaults: dict, temperature: float, top_k: int, top_p: float, 
     differ = temperature > 0 and any(want[k] != v and not (k == "top_k" and not want[k] and not v)
                                      for k, v in (("top_k", top_k), ("top_p", top_p), ("temperature", temperature))
                                      if k in want)
+    keys = [k for k in ("temperature", "top_k", "top_p") if k in want]
+
+    def whence(sep: str) -> str:
+        """Where each value of `want` comes from, where not all from the config: transformers' defaults fill the
+        ones it leaves unset (top_k 50 was named as the config's)."""
+        unset = [k for k in keys if defaults.get(k) is None]
+        if not unset:
+            return ""
+        if len(unset) == len(keys):
+            return f"{sep}transformers' defaults"
+        return f"{sep}{', '.join(unset)} transformers' default{'s' if len(unset) > 1 else ''}"
+
     parts = []
     if refused:
         parts.append(f"this model's generation_config samples at temperature {t:g}, which transformers' generate() "
@@ -46,23 +58,24 @@ def defaults_note(defaults: dict, temperature: float, top_k: int, top_p: float, 
                         "" if differ else f": compare this run with generate(do_sample=True, temperature={temperature:g})"))
     if temperature == 0 and samples and greedy_only:
         parts.append(f"this model's generation_config samples (temperature {want['temperature']:g}, top_k "
-                     f"{want['top_k']}, top_p {want['top_p']:g}): transformers' generate() draws by default, this mode "
+                     f"{want['top_k']}, top_p {want['top_p']:g}{whence('; ')}): transformers' generate() draws by "
+                     f"default, this mode "
                      f"decodes greedily only (compare with generate(do_sample=False))")
     elif temperature == 0 and samples:
         parts.append(f"this model's generation_config samples (temperature {want['temperature']:g}, top_k "
-                     f"{want['top_k']}, top_p {want['top_p']:g}): transformers' generate() draws by default, this run "
+                     f"{want['top_k']}, top_p {want['top_p']:g}{whence('; ')}): transformers' generate() draws by "
+                     f"default, this run "
                      f"decodes greedily (give --temperature {want['temperature']:g} --top-k {want['top_k']} --top-p "
                      f"{want['top_p']:g} to sample alike)")
     elif differ:
         ours = f"top_k {top_k or 'off'}, top_p {top_p:g}"
-        theirs = ", ".join(f"{k} {want[k]:g}" for k in ("temperature", "top_k", "top_p") if k in want)
-        flags = " ".join(f"--{k.replace('_', '-')} {want[k]:g}" for k in ("temperature", "top_k", "top_p")
-                         if k in want)
+        theirs = ", ".join(f"{k} {want[k]:g}" for k in keys)
+        flags = " ".join(f"--{k.replace('_', '-')} {want[k]:g}" for k in keys)
         call = "do_sample=True" if "temperature" in want else f"do_sample=True, temperature={temperature:g}"
-        parts.append(f"transformers' generate({call}) samples this model with {theirs} ("
-                     f"{'its generation_config' if any(defaults.get(k) is not None for k in want) else 'transformers defaults'}"
-                     f"), this run with temperature {temperature:g}, "
-                     f"{ours} (give {flags} to sample alike)")
+        src = "transformers' defaults" if all(defaults.get(k) is None for k in keys) else \
+            "its generation_config" + whence("; ")
+        parts.append(f"transformers' generate({call}) samples this model with {theirs} ({src}), this run with "
+                     f"temperature {temperature:g}, {ours} (give {flags} to sample alike)")
     if extra:
         parts.append(("it also sets " if parts else "this model's generation_config sets ")
                      + ", ".join(f"{k}={v}" for k, v in extra.items())

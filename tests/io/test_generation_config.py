@@ -614,3 +614,32 @@ def test_generate_on_a_config_sampling_at_temperature_0_offers_no_temperature_0(
     sampled = note("--temperature", "0.7", "--top-k", "50")
     assert len(sampled) == 1 and "refuses" in sampled[0] and "--temperature 0 " not in sampled[0] \
         and "compare this run with generate(do_sample=True, temperature=0.7)" in sampled[0], sampled
+
+
+def test_the_note_says_which_values_are_transformers_defaults(hf_dir, tmp_path, capsys):
+    """A generation_config that samples at temperature 0.7 and sets no top_k / top_p: generate() fills those with its
+    own defaults (top_k 50, top_p 1), and the note named all three "(its generation_config)" to a run given
+    --top-k 20. Each value's source is now said; the values are generate()'s own (the reference: transformers'
+    default generation parameters)."""
+    import shutil
+
+    d, _, _ = hf_dir
+    assert main(["convert", str(d), "--out", str(tmp_path / "base")]) == 0
+    ck = tmp_path / "ck"
+    shutil.copytree(tmp_path / "base", ck)
+    meta_file = ck / "tokenizer_meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["generation_config"].update(do_sample=True, temperature=0.7)
+    assert meta["generation_config"].get("top_k") is None and meta["generation_config"].get("top_p") is None
+    meta_file.write_text(json.dumps(meta))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        filled = transformers.GenerationConfig()._get_default_generation_params()
+    assert (filled["top_k"], filled["top_p"]) == (50, 1.0)
+    for flags, said in ((["--temperature", "0.7", "--top-k", "20"], "top_k 50, top_p 1 (its generation_config; "
+                                                                    "top_k, top_p transformers' defaults)"),
+                        ([], "(temperature 0.7, top_k 50, top_p 1; top_k, top_p transformers' defaults)")):
+        capsys.readouterr()
+        assert main(["generate", str(ck), "--prompt", "t3 t7", "--max-new-tokens", "2", "--quiet", *flags]) == 0
+        note = [ln for ln in capsys.readouterr().err.splitlines() if "generation_config" in ln]
+        assert len(note) == 1 and said in note[0], (flags, note)
