@@ -430,13 +430,17 @@ def run_bench(args, spec: ModelSpec, unread_flags) -> int:
         check_penalty_flag(args.repetition_penalty)
         tok = checkpoint_tokenizer(spec.ckpt) if spec.ckpt and args.repetition_penalty is None else None
         args.repetition_penalty, args.repetition_penalty_source = penalty_and_source(args, tok)
-    from snlp.apps.common import check_plans_fit, check_plans_grammar
+    from snlp.apps.common import check_plans_fit, check_plans_grammar, warn_causal_idle
 
     plans = check_plans_grammar(args.plans)
-    check_plans_fit(spec.ckpt, plans)  # before any rank starts
+    # as the single-process bench: a -causal plan whose windows all span the longest sequence (a decode's prompt and
+    # new tokens, a prefill's --tokens) is warned about, before any rank starts
+    longest = args.prompt_len + args.new_tokens if args.decode else counts[0] if counts[0] >= 1 else None
+    check_plans_fit(spec.ckpt, plans, longest=longest)
     if not spec.ckpt:  # random weights: the depth is --depth's (every rank would refuse a too deep plan alike)
         for p in plans:
             p.check(spec.depth)
+        warn_causal_idle(plans, spec_config(spec), longest)
     check_before_ranks(args, plans, spec.ckpt, spec)
     return _run_ranked("bench", args, lambda rank, world, device, cores: _run_bench_ranked(args, spec, rank, world,
                                                                                             device, cores))

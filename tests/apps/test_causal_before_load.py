@@ -187,3 +187,22 @@ def test_distributed_generate_warns_as_one_process_does(windowed, monkeypatch):
         got = causal_warnings(["generate", str(ck), "--distributed", "--mode", "snlp", "--plan", CAUSAL, "--prompt",
                                "First", "--max-new-tokens", str(new), "--quiet", "--device", "cpu"])
         assert len(got) == int(said), (new, got)
+
+
+def test_distributed_bench_warns_before_any_rank_starts(windowed, monkeypatch):
+    """`snlp bench --distributed` (--decode and the prefill benchmark) warns as the single-process bench does, before
+    any rank starts: here the torchrun environment is missing, so the command stops right after the warning."""
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    ck, w = windowed
+
+    def said(*argv) -> list[str]:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert main(["bench", "--distributed", "--plans", CAUSAL, "--runs", "1", "--warmup", "0", *argv]) == 2
+        return [str(x.message) for x in seen if "changes nothing here" in str(x.message)]
+
+    for new, n in ((w - 1, 1), (w, 0)):
+        assert len(said("--decode", "--ckpt", str(ck), "--prompt-len", "2", "--new-tokens", str(new))) == n, new
+    got = said("--depth", "4", "--width", "32", "--head-dim", "16", "--window-pattern", "SL", "--tokens", "8")
+    assert len(got) == 1 and "at most 8 tokens" in got[0], got
