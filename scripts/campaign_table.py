@@ -197,4 +197,5 @@ def main(out: str, call: str | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "runs/gpu-campaign", sys.argv[2] if len(sys.argv) > 2 else None))
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "runs/gpu-campaign",
+                  sys.argv[2] if len(sys.argv) > 2 else None))

@@ -7,7 +7,9 @@
 # Each part runs in its own process under its own time limit, so a crash or a hang costs that part only; the
 # parts write JSON under DIR/parts/, and the last step merges them into DIR/campaign.json and DIR/campaign.md
 # and prints the table last (a device call returns the tail of its output). --quick is the CPU smoke run CI
-# keeps green (tests/bench/test_campaign.py), so a lent GPU is never spent on a crash.
+# keeps green (tests/bench/test_campaign.py), so a lent GPU is never spent on a crash. A part run again into the same
+# DIR first moves the earlier call's output of it to DIR/earlier/PART/; SIGINT / SIGTERM / SIGHUP to this script stop
+# the running part's process group, and the table of what finished is still printed (exit 128 + the signal's number).
 #
 # On a lent GPU (from the repo root, the paper's code copied into the ignored .paper/ and carried):
 #   mkdir -p .paper && cp -r ../shared/anchors/nanochat-snlp .paper/
@@ -114,7 +116,8 @@ EOF
 # this call, as every status it writes names it: the table marks a status an earlier call into this --out left (a part
 # this call did not run) as that call's
 CALL="$(date -u +%Y-%m-%dT%H:%M:%SZ) pid $$"
-outputs() {  # outputs NAME: what part NAME writes under $OUT/parts (besides NAME.status.json), every path its command names
+outputs() {  # outputs NAME: what part NAME writes under $OUT/parts (besides NAME.status.json): every path its
+  # command names
   case $1 in
     attn) echo attn.json ;;
     profile_compiled) echo profile_compiled_graphs profile_compiled_kernels ;;
@@ -123,8 +126,8 @@ outputs() {  # outputs NAME: what part NAME writes under $OUT/parts (besides NAM
     *) echo "$1" ;;
   esac
 }
-set_aside() {  # set_aside NAME: an earlier call's output of part NAME to $OUT/earlier/NAME/ (replacing an older one there),
-  # so the table shows only what this call's run of it wrote: a failure, not the earlier call's success
+set_aside() {  # set_aside NAME: an earlier call's output of part NAME to $OUT/earlier/NAME/ (replacing an older
+  # one there), so the table shows only what this call's run of it wrote: a failure, not the earlier call's success
   local name=$1 f moved=""
   for f in $(outputs "$name") "$name.status.json"; do
     [ -e "$OUT/parts/$f" ] || continue
@@ -152,7 +155,8 @@ part() {  # part NAME SECONDS CMD...: run one part under its limit; its status g
   earlier=$(set_aside "$name")
   if [ -n "$STOPPED" ]; then
     echo "campaign: part $name NOT RUN: the campaign was stopped by SIG$STOPPED" | tee -a "$LOG"
-    echo "{\"part\": \"$name\", \"rc\": null, \"seconds\": 0, \"not_run\": \"the campaign was stopped by SIG$STOPPED\"," \
+    echo "{\"part\": \"$name\", \"rc\": null, \"seconds\": 0," \
+         "\"not_run\": \"the campaign was stopped by SIG$STOPPED\"," \
          "\"call\": \"$CALL\"${earlier:+, \"earlier\": \"$earlier\"}}" > "$OUT/parts/$name.status.json"
     return 0
   fi
@@ -171,7 +175,8 @@ part() {  # part NAME SECONDS CMD...: run one part under its limit; its status g
   echo "campaign: part $name rc=$rc in $((SECONDS - t0))s" | tee -a "$LOG"
   # a failed part's last line of output (its error) goes into its status: the table, which a device call returns,
   # then says why, not only the exit status
-  tail -c +$((start + 1)) "$LOG" | grep -Ev '^campaign: (part |SIG)' | grep -v '^[[:space:]]*$' | tail -n 1 | cut -c1-300 |
+  tail -c +$((start + 1)) "$LOG" | grep -Ev '^campaign: (part |SIG)' | grep -v '^[[:space:]]*$' | tail -n 1 |
+    cut -c1-300 |
     $PY -c 'import json, sys; print(json.dumps({"part": sys.argv[1], "rc": int(sys.argv[2]), "seconds": int(sys.argv[3]),
              **({"last_line": sys.stdin.read().strip()} if sys.argv[2] != "0" else {}),
              **({"stopped": "SIG" + sys.argv[4]} if sys.argv[4] else {}), "call": sys.argv[5],

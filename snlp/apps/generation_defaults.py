@@ -54,8 +54,8 @@ def defaults_note(defaults: dict, temperature: float, top_k: int, top_p: float, 
     if refused:
         parts.append(f"this model's generation_config samples at temperature {t:g}, which transformers' generate() "
                      f"refuses (it raises unless the call gives do_sample=False or a temperature > 0)"
-                     + (": compare this run with generate(do_sample=False)" if temperature == 0 else
-                        "" if differ else f": compare this run with generate(do_sample=True, temperature={temperature:g})"))
+                     + (": compare this run with generate(do_sample=False)" if temperature == 0 else "" if differ
+                        else f": compare this run with generate(do_sample=True, temperature={temperature:g})"))
     if temperature == 0 and samples and greedy_only:
         parts.append(f"this model's generation_config samples (temperature {want['temperature']:g}, top_k "
                      f"{want['top_k']}, top_p {want['top_p']:g}{whence('; ')}): transformers' generate() draws by "

@@ -383,5 +383,5 @@ def test_a_signal_to_the_campaign_stops_its_running_part_and_prints_the_table(tm
     assert proc.returncode == 128 + getattr(signal, sig), out[-2000:]
     table = (tmp_path / "c" / "campaign.md").read_text()
     assert out.rstrip().endswith(table.rstrip().splitlines()[-1])
-    assert f"- part attn: rc 143 in " in table and f"(STOPPED by {sig})" in table, table
+    assert "- part attn: rc 143 in " in table and f"(STOPPED by {sig})" in table, table
     assert f"- part host: NOT RUN (the campaign was stopped by {sig})" in table
