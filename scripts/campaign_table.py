@@ -17,13 +17,22 @@ def _opt(v, fmt: str = "{:.2f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
-def status_line(name: str, v: dict) -> str:
+def status_line(name: str, v: dict, call: str | None = None) -> str:
     """A part's line: its exit status and time (with a failed part's last line of output), or why it did not run
-    (gpu_campaign.sh writes {"rc": null, "not_run": why} for a part it skipped)."""
+    (gpu_campaign.sh writes {"rc": null, "not_run": why} for a part it skipped). `call`: the call that prints the
+    table; a status another call into the same --out wrote (a part this call did not run) says so. Where this call
+    ran the part and did not finish it, the folder the script moved an earlier call's output of it to is named."""
     if v.get("rc") is None:
-        return f"- part {name}: NOT RUN ({v.get('not_run', 'no exit status')})"
-    return (f"- part {name}: rc {v['rc']} in {v['seconds']} s" + (" (TIMED OUT)" if v["rc"] in (124, 137) else "")
-            + (f": {v['last_line']}" if v.get("last_line") else ""))
+        line = f"- part {name}: NOT RUN ({v.get('not_run', 'no exit status')})"
+    else:
+        line = (f"- part {name}: rc {v['rc']} in {v['seconds']} s" + (" (TIMED OUT)" if v["rc"] in (124, 137) else "")
+                + (f" (STOPPED by {v['stopped']})" if v.get("stopped") else "")
+                + (f": {v['last_line']}" if v.get("last_line") else ""))
+    if call and v.get("call") != call:
+        line += f" [an earlier call's status{': ' + v['call'] if v.get('call') else ''}]"
+    elif v.get("earlier") and v.get("rc") != 0:
+        line += f" [an earlier call's output of this part, not shown: {v['earlier']}/]"
+    return line
 
 
 def attn_section(parts: Path, merged: dict) -> list[str]:
@@ -53,6 +62,7 @@ def compiled_profile_section(root: Path, parts: Path, mode: str, merged: dict) -
     """The compiled profiles: totals, then what the K = 1 plan pays once."""
     d = parts / f"profile_compiled_{mode}"
     if not (d / "profile.json").is_file():
+        (root / f"profile_compiled_{mode}.txt").unlink(missing_ok=True)  # an earlier call's copy
         return []
     pc = merged["parts"][f"profile_compiled_{mode}"] = json.loads((d / "profile.json").read_text())
     # wall = host clock around a synchronise per call; gap = wall - the kernels' device time (host time, and
@@ -130,7 +140,8 @@ def suite_section(md: Path, merged: dict) -> list[str]:
     return ["", "#" + text]
 
 
-def main(out: str) -> int:
+def main(out: str, call: str | None = None) -> int:
+    """`call`: the gpu_campaign.sh call printing the table (its statuses name it), None: no status is marked."""
     root = Path(out)
     parts = root / "parts"
     merged: dict = {"status": {}, "parts": {}}
@@ -171,7 +182,9 @@ def main(out: str) -> int:
     prof = parts / "profile" / "profile.txt"
     if prof.is_file():  # beside campaign.md, so one folder holds what a device call brings back
         (root / "profile.txt").write_text(prof.read_text())
-    lines = ["# GPU campaign", ""] + [status_line(k, v) for k, v in merged["status"].items()]
+    else:  # an earlier call's copy: its part's files were set aside (or never written)
+        (root / "profile.txt").unlink(missing_ok=True)
+    lines = ["# GPU campaign", ""] + [status_line(k, v, call) for k, v in merged["status"].items()]
     if unreadable:
         merged["unreadable"] = unreadable
         lines += ["", "Output that could not be read (a part cut short while it wrote?):"]
@@ -184,4 +197,5 @@ def main(out: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "runs/gpu-campaign"))
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "runs/gpu-campaign",
+                  sys.argv[2] if len(sys.argv) > 2 else None))

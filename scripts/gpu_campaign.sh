@@ -7,7 +7,9 @@
 # Each part runs in its own process under its own time limit, so a crash or a hang costs that part only; the
 # parts write JSON under DIR/parts/, and the last step merges them into DIR/campaign.json and DIR/campaign.md
 # and prints the table last (a device call returns the tail of its output). --quick is the CPU smoke run CI
-# keeps green (tests/bench/test_campaign.py), so a lent GPU is never spent on a crash.
+# keeps green (tests/bench/test_campaign.py), so a lent GPU is never spent on a crash. A part run again into the same
+# DIR first moves the earlier call's output of it to DIR/earlier/PART/; SIGINT / SIGTERM / SIGHUP to this script stop
+# the running part's process group, and the table of what finished is still printed (exit 128 + the signal's number).
 #
 # On a lent GPU (from the repo root, the paper's code copied into the ignored .paper/ and carried):
 #   mkdir -p .paper && cp -r ../shared/anchors/nanochat-snlp .paper/
@@ -111,31 +113,85 @@ if torch.cuda.is_available():
     print("campaign: device", torch.cuda.get_device_name(), f"{p.total_memory / 2**30:.0f} GiB", p.multi_processor_count, "SMs")
 EOF
 
+# this call, as every status it writes names it: the table marks a status an earlier call into this --out left (a part
+# this call did not run) as that call's
+CALL="$(date -u +%Y-%m-%dT%H:%M:%SZ) pid $$"
+outputs() {  # outputs NAME: what part NAME writes under $OUT/parts (besides NAME.status.json): every path its
+  # command names
+  case $1 in
+    attn) echo attn.json ;;
+    profile_compiled) echo profile_compiled_graphs profile_compiled_kernels ;;
+    decode_trained) echo trained decode_trained ;;
+    flex_train) echo flex_train_masked flex_train_flex ;;
+    *) echo "$1" ;;
+  esac
+}
+set_aside() {  # set_aside NAME: an earlier call's output of part NAME to $OUT/earlier/NAME/ (replacing an older
+  # one there), so the table shows only what this call's run of it wrote: a failure, not the earlier call's success
+  local name=$1 f moved=""
+  for f in $(outputs "$name") "$name.status.json"; do
+    [ -e "$OUT/parts/$f" ] || continue
+    [ -n "$moved" ] || { rm -rf "$OUT/earlier/$name" && mkdir -p "$OUT/earlier/$name"; moved=1; }
+    mv "$OUT/parts/$f" "$OUT/earlier/$name/"
+  done
+  [ -n "$moved" ] && echo "earlier/$name"
+}
+STOPPED=""; PART_PID=""  # the signal that stopped the campaign; the running part's process (timeout, its group leader)
+stop() {  # a signal to the script: the running part's whole process group stops too (timeout runs it in a group of
+  # its own, which a terminal's Ctrl-C does not reach, and a shell killed while it waits leaves it running), no part
+  # starts after it, and the table of what finished is still written and printed
+  STOPPED=$1
+  echo "campaign: SIG$1: stopping${PART_PID:+ the running part (process group $PART_PID)}; no part runs after it" |
+    tee -a "$LOG"
+  if [ -n "$PART_PID" ]; then kill -TERM -- "-$PART_PID" 2>/dev/null; fi  # timeout sends SIGKILL 10 s later
+}
+trap 'stop INT' INT; trap 'stop TERM' TERM; trap 'stop HUP' HUP
+
 part() {  # part NAME SECONDS CMD...: run one part under its limit; its status goes to the log
   local name=$1 secs=$2; shift 2
   local limit_var="LIMIT_$name"; secs=${!limit_var:-$secs}  # LIMIT_<part>=SECONDS overrides a part's limit
   case ",$PARTS," in *",$name,"*) ;; *) return 0 ;; esac
+  local earlier
+  earlier=$(set_aside "$name")
+  if [ -n "$STOPPED" ]; then
+    echo "campaign: part $name NOT RUN: the campaign was stopped by SIG$STOPPED" | tee -a "$LOG"
+    echo "{\"part\": \"$name\", \"rc\": null, \"seconds\": 0," \
+         "\"not_run\": \"the campaign was stopped by SIG$STOPPED\"," \
+         "\"call\": \"$CALL\"${earlier:+, \"earlier\": \"$earlier\"}}" > "$OUT/parts/$name.status.json"
+    return 0
+  fi
   echo "campaign: part $name (limit ${secs}s) at $(date -u +%T)" | tee -a "$LOG"
-  local t0=$SECONDS start
+  local t0=$SECONDS start rc
   start=$(stat -c %s "$LOG")
-  timeout --kill-after=10 "$secs" "$@" >>"$LOG" 2>&1
-  local rc=$?
+  # in the background, so a trapped signal runs `stop` at once (bash defers a trap until a foreground command ends);
+  # `wait` returns early on each signal, so it is repeated until the part has exited
+  timeout --kill-after=10 "$secs" "$@" >>"$LOG" 2>&1 &
+  PART_PID=$!
+  while :; do
+    wait "$PART_PID"; rc=$?
+    kill -0 "$PART_PID" 2>/dev/null || break
+  done
+  PART_PID=""
   echo "campaign: part $name rc=$rc in $((SECONDS - t0))s" | tee -a "$LOG"
   # a failed part's last line of output (its error) goes into its status: the table, which a device call returns,
   # then says why, not only the exit status
-  tail -c +$((start + 1)) "$LOG" | grep -v '^campaign: part ' | grep -v '^[[:space:]]*$' | tail -n 1 | cut -c1-300 |
+  tail -c +$((start + 1)) "$LOG" | grep -Ev '^campaign: (part |SIG)' | grep -v '^[[:space:]]*$' | tail -n 1 |
+    cut -c1-300 |
     $PY -c 'import json, sys; print(json.dumps({"part": sys.argv[1], "rc": int(sys.argv[2]), "seconds": int(sys.argv[3]),
-             **({"last_line": sys.stdin.read().strip()} if sys.argv[2] != "0" else {})}))' \
-      "$name" "$rc" "$((SECONDS - t0))" > "$OUT/parts/$name.status.json"
+             **({"last_line": sys.stdin.read().strip()} if sys.argv[2] != "0" else {}),
+             **({"stopped": "SIG" + sys.argv[4]} if sys.argv[4] else {}), "call": sys.argv[5],
+             **({"earlier": sys.argv[6]} if sys.argv[6] else {})}))' \
+      "$name" "$rc" "$((SECONDS - t0))" "$STOPPED" "$CALL" "$earlier" > "$OUT/parts/$name.status.json"
 }
 
 PAPER_PARTS=vs_paper_eager,profile,profile_compiled,vs_paper_compiled  # the parts that run the paper's code
 if [ -z "$PAPER" ]; then  # each asked-for one is named, in the log and the table, and the other parts still run
   for p in ${PARTS//,/ }; do
     has_part "$p" "$PAPER_PARTS" || continue
+    earlier=$(set_aside "$p")
     echo "campaign: part $p NOT RUN: no checkout of the paper's code (--paper PATH, .paper/nanochat-snlp)" | tee -a "$LOG"
-    echo "{\"part\": \"$p\", \"rc\": null, \"seconds\": 0, \"not_run\": \"no checkout of the paper's code\"}" \
-        > "$OUT/parts/$p.status.json"
+    echo "{\"part\": \"$p\", \"rc\": null, \"seconds\": 0, \"not_run\": \"no checkout of the paper's code\"," \
+         "\"call\": \"$CALL\"${earlier:+, \"earlier\": \"$earlier\"}}" > "$OUT/parts/$p.status.json"
   done
 fi
 if [ -n "$PAPER" ]; then
@@ -209,5 +265,8 @@ part flex_train $((T_LONG + 70)) bash -c "for k in masked flex; do SNLP_WINDOW_A
 part train $T_LONG $PY -m snlp bench --suite train $Q --device $DEV --shapes 0.5B ${TRAIN_ARGS:-} \
     ${TRAIN_REGS:+--regs "$TRAIN_REGS"} ${TRAIN_TREATMENTS:+--treatments "$TRAIN_TREATMENTS"} --out "$OUT/parts/train"
 
-# the table, last
-$PY scripts/campaign_table.py "$OUT"
+# the table, last (a stopped campaign's too: what finished before the signal)
+$PY scripts/campaign_table.py "$OUT" "$CALL"
+rc=$?
+case $STOPPED in INT) exit 130 ;; TERM) exit 143 ;; HUP) exit 129 ;; esac
+exit $rc

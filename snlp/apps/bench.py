@@ -430,8 +430,8 @@ def interrupt_hint(args) -> str:
 def run(args) -> int:
     import torch
 
-    from snlp.apps.common import check_plans_fit, check_plans_grammar
-    from snlp.bench.forward import benchmark, build_model
+    from snlp.apps.common import check_plans_fit, check_plans_grammar, warn_causal_idle
+    from snlp.bench.forward import benchmark, build_model, spec_config
     from snlp.bench.records import write_records
     from snlp.method.plan import parse_plans
     from snlp.runtime.device import cli_device, cli_dtype, device_label, set_threads
@@ -473,8 +473,14 @@ def run(args) -> int:
     if args.tokens < 1 or args.batch < 1 or args.runs < 1 or args.warmup < 0:
         raise ValueError("--tokens, --batch and --runs must be >= 1 and --warmup >= 0")
     written = check_plans_grammar(args.plans)  # before the model is built (checked against its depth below)
-    # a checkpoint's depth is in its config: before its weights load; a forward's sequences hold --tokens tokens
-    check_plans_fit(args.ckpt, written, longest=None if args.decode else args.tokens)
+    # a checkpoint's depth is in its config: before its weights load. A forward's sequences hold --tokens tokens; a
+    # decode's at most --prompt-len + --new-tokens (a kept token's query sits below that position; a batch's prompts
+    # are at most --prompt-len long), each >= 1 or decode_benchmark refuses them
+    longest = args.tokens if not args.decode else \
+        args.prompt_len + args.new_tokens if min(args.prompt_len, args.new_tokens) >= 1 else None
+    check_plans_fit(args.ckpt, written, longest=longest)
+    if not args.ckpt:  # random weights: the warning from the config the model will be built with
+        warn_causal_idle(written, spec_config(model_spec(args)), longest)
     if args.decode and args.batch_sizes is not None:  # before the model is built: the sizes, and the plans at them
         from snlp.bench.decode import check_batch_plans
 

@@ -79,10 +79,11 @@ def check_plans_fit(ckpt, plans, transformers_ok: bool = False, longest: int | N
 
 def warn_causal_idle(plans, config, longest: int | None) -> None:
     """Warn (once per plan) where a -causal plan changes nothing on this run's sequences of at most `longest` tokens
-    (Plan.causal_idle); None: the command does not know its longest sequence before it runs."""
+    (Plan.causal_idle); None: the command does not know its longest sequence before it runs. `plans`: strings or
+    Plans (None, a run without a plan, skipped)."""
     if longest is None:
         return
-    for p in plans:
+    for p in (p for p in plans if p is not None):
         if why := (Plan.parse(p) if isinstance(p, str) else p).causal_idle(config, longest):
             warnings.warn(why, stacklevel=2)
 

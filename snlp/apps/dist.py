@@ -187,12 +187,14 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
     else:
         prompt = tok.prompt_ids(args.prompt)
     if rank == 0:  # snlp.apps.generate.run's notes: an empty prompt, a decode reaching past the trained context
+        from snlp.apps.common import warn_causal_idle
         from snlp.apps.streaming import past_context
 
         if not args.prompt and not getattr(args, "chat", False):
             print("snlp generate: the prompt is empty: generating from the tokenizer's BOS alone (give --prompt TEXT "
                   "to continue a text)", file=sys.stderr)
         past_context(ckpt, len(prompt), args.max_new_tokens)
+        warn_causal_idle([plan], ckpt.config, len(prompt) + args.max_new_tokens)
     runner = DistributedSNLP(ckpt.meta_model(), plan, keep_layers=args.mode != "snlp", checkpoint=ckpt,
                              preheat=ckpt.preheat() if plan.init == "preheat" else None)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, eos_id=eos_id,
@@ -428,13 +430,17 @@ def run_bench(args, spec: ModelSpec, unread_flags) -> int:
         check_penalty_flag(args.repetition_penalty)
         tok = checkpoint_tokenizer(spec.ckpt) if spec.ckpt and args.repetition_penalty is None else None
         args.repetition_penalty, args.repetition_penalty_source = penalty_and_source(args, tok)
-    from snlp.apps.common import check_plans_fit, check_plans_grammar
+    from snlp.apps.common import check_plans_fit, check_plans_grammar, warn_causal_idle
 
     plans = check_plans_grammar(args.plans)
-    check_plans_fit(spec.ckpt, plans)  # before any rank starts
+    # as the single-process bench: a -causal plan whose windows all span the longest sequence (a decode's prompt and
+    # new tokens, a prefill's --tokens) is warned about, before any rank starts
+    longest = args.prompt_len + args.new_tokens if args.decode else counts[0] if counts[0] >= 1 else None
+    check_plans_fit(spec.ckpt, plans, longest=longest)
     if not spec.ckpt:  # random weights: the depth is --depth's (every rank would refuse a too deep plan alike)
         for p in plans:
             p.check(spec.depth)
+        warn_causal_idle(plans, spec_config(spec), longest)
     check_before_ranks(args, plans, spec.ckpt, spec)
     return _run_ranked("bench", args, lambda rank, world, device, cores: _run_bench_ranked(args, spec, rank, world,
                                                                                             device, cores))

@@ -379,7 +379,7 @@ def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
     """--prompts-file: every prompt decoded (in batches of --batch-size), printed and recorded in order."""
     import torch
 
-    from snlp.apps.common import say_contention
+    from snlp.apps.common import say_contention, warn_causal_idle
     from snlp.runtime.load import begin_timing
     from snlp.runtime.device import write_json
 
@@ -387,6 +387,8 @@ def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
     pairs = [prompt_ids(argparse_copy(args, prompt=t), tok) for t in texts]
     prompts, eos_id = [p for p, _ in pairs], pairs[0][1]
     past_context(model, max(len(p) for p in prompts), args.max_new_tokens)
+    warn_causal_idle([plan], (drafter.model if drafter else model).config,
+                     max(len(p) for p in prompts) + args.max_new_tokens)
     timed = args.mode == "speculative" and not args.no_baseline  # the two sides' speeds are compared
     threads, device = [torch.get_num_threads()], next(model.parameters()).device
     window = begin_timing(threads, device, remedy=None) if timed else None  # generate has no --threads
@@ -435,7 +437,7 @@ def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
 def run(args) -> int:
     import torch
 
-    from snlp.apps.common import check_plans_fit, plans_preheat, say_contention
+    from snlp.apps.common import check_plans_fit, plans_preheat, say_contention, warn_causal_idle
     from snlp.runtime.load import begin_timing
     from snlp.io.checkpoint import load
     from snlp.io.drafter import load_drafter
@@ -503,6 +505,8 @@ def run(args) -> int:
         return run_prompts_file(args, model, tok, plan, preheat, drafter)
     prompt, eos_id = prompt_ids(args, tok)
     past_context(model, len(prompt), args.max_new_tokens)
+    # a kept token's query sits at position < prompt + new tokens: no window narrower than that drops a key it reads
+    warn_causal_idle([plan], (drafter.model if drafter else model).config, len(prompt) + args.max_new_tokens)
     # a chat's template markers are not printed, its end-of-turn stop neither (the summary line says stop: eos); a
     # chat prompt is the user's turn: the answer starts on its own line
     hide = ([eos_id] if isinstance(eos_id, int) else eos_id or []) if args.chat else []

@@ -18,7 +18,12 @@ def defaults_note(defaults: dict, temperature: float, top_k: int, top_p: float, 
     applies (single-process and --distributed alike); `penalty_given`: it came from --repetition-penalty. A
     config's penalty the run applies is said (transformers' generate() applies it by default too), one it does not
     apply or replaces is named as a difference."""
-    samples = defaults.get("do_sample") is True
+    t = defaults.get("temperature")
+    # a sampling config at temperature <= 0: generate() raises (its temperature warper takes only t > 0), so there is
+    # no default draw to match and no --temperature to offer (0 is greedy decoding here); the call compared with is
+    # then generate(do_sample=False) for a greedy run, generate(do_sample=True, temperature=T) for a sampled one
+    refused = defaults.get("do_sample") is True and isinstance(t, (int, float)) and not isinstance(t, bool) and t <= 0
+    samples = defaults.get("do_sample") is True and not refused
     extra = unapplied_defaults(defaults, sampling=samples or temperature > 0)
     # transformers' sampling filters: top_k 50 and top_p 1 unless the model's config says otherwise
     def given(k, v):
@@ -27,32 +32,50 @@ def defaults_note(defaults: dict, temperature: float, top_k: int, top_p: float, 
     want = {"top_k": given("top_k", 50), "top_p": given("top_p", 1.0)}
     # a config's temperature is generate(do_sample=True)'s even where the config does not sample by default (a
     # temperature beside do_sample false or unset): it is named with the filters, not assumed to be this run's
-    own_t = isinstance(defaults.get("temperature"), (int, float)) and defaults["temperature"] > 0
+    own_t = isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0
     if samples or own_t:
         want["temperature"] = given("temperature", 1.0)
     differ = temperature > 0 and any(want[k] != v and not (k == "top_k" and not want[k] and not v)
                                      for k, v in (("top_k", top_k), ("top_p", top_p), ("temperature", temperature))
                                      if k in want)
+    keys = [k for k in ("temperature", "top_k", "top_p") if k in want]
+
+    def whence(sep: str) -> str:
+        """Where each value of `want` comes from, where not all from the config: transformers' defaults fill the
+        ones it leaves unset (top_k 50 was named as the config's)."""
+        unset = [k for k in keys if defaults.get(k) is None]
+        if not unset:
+            return ""
+        if len(unset) == len(keys):
+            return f"{sep}transformers' defaults"
+        return f"{sep}{', '.join(unset)} transformers' default{'s' if len(unset) > 1 else ''}"
+
     parts = []
+    if refused:
+        parts.append(f"this model's generation_config samples at temperature {t:g}, which transformers' generate() "
+                     f"refuses (it raises unless the call gives do_sample=False or a temperature > 0)"
+                     + (": compare this run with generate(do_sample=False)" if temperature == 0 else "" if differ
+                        else f": compare this run with generate(do_sample=True, temperature={temperature:g})"))
     if temperature == 0 and samples and greedy_only:
         parts.append(f"this model's generation_config samples (temperature {want['temperature']:g}, top_k "
-                     f"{want['top_k']}, top_p {want['top_p']:g}): transformers' generate() draws by default, this mode "
+                     f"{want['top_k']}, top_p {want['top_p']:g}{whence('; ')}): transformers' generate() draws by "
+                     f"default, this mode "
                      f"decodes greedily only (compare with generate(do_sample=False))")
     elif temperature == 0 and samples:
         parts.append(f"this model's generation_config samples (temperature {want['temperature']:g}, top_k "
-                     f"{want['top_k']}, top_p {want['top_p']:g}): transformers' generate() draws by default, this run "
+                     f"{want['top_k']}, top_p {want['top_p']:g}{whence('; ')}): transformers' generate() draws by "
+                     f"default, this run "
                      f"decodes greedily (give --temperature {want['temperature']:g} --top-k {want['top_k']} --top-p "
                      f"{want['top_p']:g} to sample alike)")
     elif differ:
         ours = f"top_k {top_k or 'off'}, top_p {top_p:g}"
-        theirs = ", ".join(f"{k} {want[k]:g}" for k in ("temperature", "top_k", "top_p") if k in want)
-        flags = " ".join(f"--{k.replace('_', '-')} {want[k]:g}" for k in ("temperature", "top_k", "top_p")
-                         if k in want)
+        theirs = ", ".join(f"{k} {want[k]:g}" for k in keys)
+        flags = " ".join(f"--{k.replace('_', '-')} {want[k]:g}" for k in keys)
         call = "do_sample=True" if "temperature" in want else f"do_sample=True, temperature={temperature:g}"
-        parts.append(f"transformers' generate({call}) samples this model with {theirs} ("
-                     f"{'its generation_config' if any(defaults.get(k) is not None for k in want) else 'transformers defaults'}"
-                     f"), this run with temperature {temperature:g}, "
-                     f"{ours} (give {flags} to sample alike)")
+        src = "transformers' defaults" if all(defaults.get(k) is None for k in keys) else \
+            "its generation_config" + whence("; ")
+        parts.append(f"transformers' generate({call}) samples this model with {theirs} ({src}), this run with "
+                     f"temperature {temperature:g}, {ours} (give {flags} to sample alike)")
     if extra:
         parts.append(("it also sets " if parts else "this model's generation_config sets ")
                      + ", ".join(f"{k}={v}" for k, v in extra.items())
@@ -61,7 +84,12 @@ def defaults_note(defaults: dict, temperature: float, top_k: int, top_p: float, 
         own = config_repetition_penalty(defaults)
     except ValueError:  # a value generate() raises on, which only a run given --repetition-penalty gets past
         own = None
-    if own != 1.0:
+    if own == 1.0 and penalty_given and repetition_penalty != 1.0:  # the flag alone penalises: a difference too
+        whose = "its" if parts else "this model's"
+        parts.append(f"this run applies --repetition-penalty {repetition_penalty:g} where transformers' generate() "
+                     f"applies none ({whose} generation_config sets no repetition_penalty other than 1): outputs "
+                     f"differ")
+    elif own != 1.0:
         whose = "its" if parts else "this model's generation_config's"
         if own is None:
             parts.append(f"transformers' generate() raises on {whose} repetition_penalty="

@@ -349,8 +349,8 @@ class GPT(nn.Module):
         span = real = None
         if isinstance(pos, RowPositions):  # a ragged batched call: positions plus what the call knows of them
             pos, span, real = pos.pos, pos.span, pos.real
-        if cache is not None:
-            cache.check_model(self)
+        if cache is not None:  # every call: a model moved (.to) or autocast turned on since the cache was made is
+            cache.check_model(self)  # caught; ~2 us, a tie against an eager decode step (docs/records, 2026-11-29)
         if pos is not None:
             if cache is None:
                 raise ValueError("embed(pos=...) is the static-shape KV-cached step: pass the cache too")

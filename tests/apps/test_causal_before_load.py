@@ -108,3 +108,101 @@ def test_causal_idle_is_the_window_law():
     assert p.causal_idle(m.config, w + 1) and p.causal_idle(m.config, 1)
     assert p.causal_idle(m.config, w + 2) is None
     assert Plan.parse("3xF1-h0-K1").causal_idle(m.config, 1) is None
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    """A 4-layer checkpoint with a tokenizer whose layer 2 keeps a window of w + 1 = 4 tokens (make_model: short_window
+    3 in layers 0 and 2) and layer 3 attends fully: 2xF1-h0-K1-causal drops layer 2's window."""
+    from conftest import text_checkpoint
+    from snlp.io.checkpoint import load_config
+
+    ck = text_checkpoint(tmp_path_factory.mktemp("win"))[0]
+    config = load_config(ck)
+    assert [config.window(layer) for layer in (2, 3)] == [3, -1]
+    return ck, config.window(2)
+
+
+CAUSAL = "2xF1-h0-K1-causal"
+
+
+def causal_warnings(argv) -> list[str]:
+    """The causal_idle warnings of one CLI call (which must succeed)."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert main(argv) == 0
+    return [str(w.message) for w in seen if "changes nothing here" in str(w.message)]
+
+
+@pytest.mark.parametrize("mode", ["snlp", "speculative", "prompts-file"])
+def test_generate_warns_where_every_window_spans_the_prompt_and_its_new_tokens(windowed, tmp_path, mode):
+    """`snlp generate` with a -causal plan: warned exactly where prompt + --max-new-tokens <= w + 1 (every kept token's
+    query reads keys no window drops), as `snlp eval` is; past that the window bites and nothing is said."""
+    from snlp import load
+
+    ck, w = windowed
+    text = "First Citizen"
+    n = len(load(ck)[1].prompt_ids(text))
+    assert 1 <= n <= w  # room for one new token inside the window
+    if mode == "prompts-file":
+        (tmp_path / "p.txt").write_text(f"{text}\nFirst\n")  # the longest prompt counts
+        run = ["--prompts-file", str(tmp_path / "p.txt"), "--batch-size", "2", "--mode", "speculative"]
+    else:
+        run = ["--prompt", text, "--mode", mode]
+    for new, said in ((w + 1 - n, True), (w + 2 - n, False)):
+        got = causal_warnings(["generate", str(ck), *run, "--plan", CAUSAL, "--max-new-tokens", str(new), "--quiet",
+                               *(["--no-baseline"] if "speculative" in run else [])])
+        assert len(got) == int(said) and (not said or f"at most {w + 1} tokens" in got[0]), (new, got)
+
+
+def test_bench_decode_warns_where_every_window_spans_the_prompt_and_its_new_tokens(windowed):
+    """`snlp bench --decode` (single process and --batch-sizes): warned exactly where --prompt-len + --new-tokens
+    <= w + 1, as the forward benchmark is at --tokens; random weights too (their windows: sequence_len // 2)."""
+    ck, w = windowed
+    run = ["bench", "--decode", "--plans", CAUSAL, "--runs", "1", "--warmup", "0", "--blocks", "2"]
+    for prompt, new, said in ((2, w - 1, True), (2, w, False)):
+        for batch in ([], ["--batch-sizes", "2"]):
+            got = causal_warnings([*run, "--ckpt", str(ck), "--prompt-len", str(prompt), "--new-tokens", str(new),
+                                   *batch])
+            assert len(got) == int(said) and (not said or f"at most {prompt + new} tokens" in got[0]), (batch, got)
+    rand = ["--depth", "4", "--width", "32", "--head-dim", "16", "--window-pattern", "SL"]
+    got = causal_warnings([*run, *rand, "--prompt-len", "4", "--new-tokens", "2"])
+    assert len(got) == 1 and "at most 6 tokens" in got[0], got
+    got = causal_warnings(["bench", "--plans", CAUSAL, "--runs", "1", "--warmup", "0", *rand, "--tokens", "8"])
+    assert len(got) == 1 and "at most 8 tokens" in got[0], got  # the forward benchmark on random weights too
+
+
+def test_distributed_generate_warns_as_one_process_does(windowed, monkeypatch):
+    """`snlp generate --distributed` (one rank, torchrun's environment set by hand): rank 0 warns as the single
+    process does, at the same boundary."""
+    from conftest import free_port
+    from snlp import load
+
+    ck, w = windowed
+    n = len(load(ck)[1].prompt_ids("First"))
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
+        monkeypatch.setenv(k, v)
+    for new, said in ((w + 1 - n, True), (w + 2 - n, False)):
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+        got = causal_warnings(["generate", str(ck), "--distributed", "--mode", "snlp", "--plan", CAUSAL, "--prompt",
+                               "First", "--max-new-tokens", str(new), "--quiet", "--device", "cpu"])
+        assert len(got) == int(said), (new, got)
+
+
+def test_distributed_bench_warns_before_any_rank_starts(windowed, monkeypatch):
+    """`snlp bench --distributed` (--decode and the prefill benchmark) warns as the single-process bench does, before
+    any rank starts: here the torchrun environment is missing, so the command stops right after the warning."""
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    ck, w = windowed
+
+    def said(*argv) -> list[str]:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert main(["bench", "--distributed", "--plans", CAUSAL, "--runs", "1", "--warmup", "0", *argv]) == 2
+        return [str(x.message) for x in seen if "changes nothing here" in str(x.message)]
+
+    for new, n in ((w - 1, 1), (w, 0)):
+        assert len(said("--decode", "--ckpt", str(ck), "--prompt-len", "2", "--new-tokens", str(new))) == n, new
+    got = said("--depth", "4", "--width", "32", "--head-dim", "16", "--window-pattern", "SL", "--tokens", "8")
+    assert len(got) == 1 and "at most 8 tokens" in got[0], got

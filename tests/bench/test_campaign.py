@@ -283,3 +283,105 @@ def test_the_campaigns_list_of_parts_is_every_part_it_runs():
     text = (ROOT / "scripts" / "gpu_campaign.sh").read_text()
     listed = ",".join(v for v in re.findall(r"^ALL_PARTS=(?:\$ALL_PARTS,)?(\S+)", text, re.M)).split(",")
     assert sorted(listed) == sorted(set(re.findall(r"^ *part ([a-z_]+)", text, re.M)))
+
+
+def campaign(tmp_path, *argv, **env) -> subprocess.Popen:
+    """gpu_campaign.sh --quick --out tmp_path/c ARGV, started in a session of its own, with no campaign knob of the
+    caller's environment but `env`'s."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("LIMIT_", "DECODE_", "TRAIN_", "TRAINED_"))}
+    return subprocess.Popen(["bash", str(ROOT / "scripts" / "gpu_campaign.sh"), "--quick", "--out", str(tmp_path / "c"),
+                             *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env={**base, **env}, start_new_session=True)
+
+
+def test_a_failed_rerun_shows_this_calls_failure_not_the_earlier_calls_section(tmp_path):
+    """A part run again into the same --out that fails (here its limit, 1 s, ends it): the table showed the earlier
+    call's section for it under this call's failed status, as if the failing call had measured it. The earlier
+    output is now moved to earlier/PART/ (named on the failed part's line), the table holds no section of it, and a
+    status this call did not write (a part it did not run) is marked as an earlier call's."""
+    parts = tmp_path / "c" / "parts"
+    parts.mkdir(parents=True)
+    (parts / "attn.json").write_text(json.dumps({"device": "cpu", "T": 8, "window": 4, "rows": [
+        {"case": "stale", "heads": 2, "formulation": "masked", "ms": 1.0, "max_abs_err": 0.0, "first_call_s": 0.1}]}))
+    (parts / "attn.status.json").write_text(json.dumps({"part": "attn", "rc": 0, "seconds": 50}))
+    (parts / "host.status.json").write_text(json.dumps({"part": "host", "rc": 0, "seconds": 9}))
+    (tmp_path / "c" / "profile.txt").write_text("stale")  # the table's copy of a profile no part holds any more
+    proc = campaign(tmp_path, "--parts", "attn", LIMIT_attn="1")
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out[-2000:]
+    table = (tmp_path / "c" / "campaign.md").read_text()
+    assert out.rstrip().endswith(table.rstrip().splitlines()[-1])
+    assert "Attention formulations" not in table and "stale" not in table
+    line = next(ln for ln in table.splitlines() if ln.startswith("- part attn:"))
+    assert "rc 124" in line and "TIMED OUT" in line and "earlier/attn/" in line, line
+    assert "attn" not in json.loads((tmp_path / "c" / "campaign.json").read_text())["parts"]
+    assert json.loads((tmp_path / "c" / "earlier" / "attn" / "attn.json").read_text())["rows"][0]["case"] == "stale"
+    assert "- part host: rc 0 in 9 s [an earlier call's status]" in table
+    assert not (tmp_path / "c" / "profile.txt").exists()
+
+
+def test_every_path_a_part_writes_is_set_aside_with_it():
+    """set_aside moves an earlier call's output of a part before the part runs again: outputs NAME must list every
+    $OUT/parts path the part's command writes (a prefix for the ones its loop completes), and no other part's."""
+    import re
+
+    text = (ROOT / "scripts" / "gpu_campaign.sh").read_text()
+    func = re.search(r"^outputs\(\) \{.*?^\}$", text, re.M | re.S).group(0)
+    lines, calls = text.splitlines(), {}
+    for i, ln in enumerate(lines):
+        if m := re.match(r"^ *part ([a-z_]+) ", ln):
+            j, cmd = i, ln
+            while lines[j].endswith("\\"):
+                j += 1
+                cmd += lines[j]
+            calls[m.group(1)] = re.findall(r"\$OUT/parts/([A-Za-z_.]+)", cmd)
+    outs = {name: subprocess.run(["bash", "-c", f"{func}\noutputs {name}"], capture_output=True, text=True,
+                                 check=True).stdout.split() for name in calls}
+    for name, written in calls.items():
+        assert written, name
+        for w in written:
+            assert any(o == w or (w.endswith("_") and o.startswith(w)) for o in outs[name]), (name, w, outs[name])
+    every = [o for v in outs.values() for o in v]
+    assert len(every) == len(set(every)), outs
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_campaign_stops_its_running_part_and_prints_the_table(tmp_path, sig):
+    """Ctrl-C or a kill to gpu_campaign.sh while a part runs: the part (timeout runs it in a process group of its own)
+    went on running, after a SIGTERM with no campaign left to print a table. Now the script stops the part's whole
+    group, runs no later part (named NOT RUN), prints the table and exits 128 + the signal's number; no process of
+    the call is left (ps)."""
+    import signal
+    import time
+
+    proc = campaign(tmp_path, "--parts", "attn,host", LIMIT_attn="600")
+    log, mine = tmp_path / "c" / "log.txt", str(tmp_path / "c")
+
+    def running() -> list[int]:
+        ps = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True, check=True).stdout
+        return [int(ln.split()[0]) for ln in ps.splitlines() if mine in ln and "attn_windows.py" in ln
+                and "timeout" not in ln]
+
+    try:
+        t0 = time.monotonic()
+        while not (log.is_file() and "part attn (limit" in log.read_text() and running()):
+            assert proc.poll() is None and time.monotonic() - t0 < 120, "the attn part never started"
+            time.sleep(0.2)
+        time.sleep(1)
+        os.kill(proc.pid, getattr(signal, sig))
+        out = proc.communicate(timeout=60)[0]
+        time.sleep(0.5)
+        left = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+        survivors = [ln for ln in left.splitlines() if mine in ln]
+        assert not survivors, survivors
+    finally:
+        for pid in running():  # what a failure left behind, ours by its --out
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 128 + getattr(signal, sig), out[-2000:]
+    table = (tmp_path / "c" / "campaign.md").read_text()
+    assert out.rstrip().endswith(table.rstrip().splitlines()[-1])
+    assert "- part attn: rc 143 in " in table and f"(STOPPED by {sig})" in table, table
+    assert f"- part host: NOT RUN (the campaign was stopped by {sig})" in table

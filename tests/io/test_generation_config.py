@@ -250,6 +250,9 @@ NOTE_CASES = [  # (generation_config, this run's temperature, top_k, top_p)
     ({"do_sample": True, "min_p": 0.0, "min_new_tokens": 0}, 1.0, 50, 1.0),  # neutral processors: nothing to say
     ({}, 0.9, 0, 1.0),
     ({"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8}, 0.5, 0, 1.0),
+    # sampling at temperature 0, which generate() refuses: the note offered --temperature 0 and named generate(
+    # do_sample=True), which raises; the call that decodes gives this run's temperature
+    ({"do_sample": True, "temperature": 0.0, "top_k": 20}, 0.8, 0, 1.0),
 ]
 
 
@@ -539,3 +542,104 @@ def test_a_generation_config_is_named_exactly_where_transformers_leaves_greedy_o
         gc.update(**gc._get_default_generation_params(), defaults_only=True)
         mode = gc.get_generation_mode()
     assert bool(unapplied_defaults(config, sampling)) == (mode not in ("greedy_search", "sample")), (config, mode)
+
+
+def test_generate_names_a_penalty_only_its_flag_applies(tmp_path, capsys):
+    """--repetition-penalty P on a converted model whose generation_config sets none: transformers' generate() applies
+    none, so the outputs part; the note said nothing (it named a difference only where the config set a penalty).
+    The reference: transformers' own generate() of the source model, without and with the penalty."""
+    hf = tiny_llama()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_(3)  # logits spread enough that 1.6 reorders them (as penalised_dir)
+    hf.generation_config.update(eos_token_id=None)
+    hf.save_pretrained(str(tmp_path / "src"))
+    word_tokenizer(V).save_pretrained(str(tmp_path / "src"))
+    assert main(["convert", str(tmp_path / "src"), "--out", str(tmp_path / "ck")]) == 0
+    ids = " ".join(f"t{i}" for i in PROMPT[1:])
+    _, tok = load(tmp_path / "ck")
+    prompt = tok.prompt_ids(ids)
+    with torch.no_grad():
+        src = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "src")).eval()
+        default = src.generate(torch.tensor([prompt]), max_new_tokens=N, min_new_tokens=N,
+                               pad_token_id=0)[0, len(prompt):].tolist()
+        penalised = src.generate(torch.tensor([prompt]), max_new_tokens=N, min_new_tokens=N, pad_token_id=0,
+                                 repetition_penalty=1.6)[0, len(prompt):].tolist()
+    assert default != penalised
+
+    def run(*flags):
+        capsys.readouterr()
+        out = tmp_path / "g.json"
+        assert main(["generate", str(tmp_path / "ck"), "--prompt", ids, "--max-new-tokens", str(N), "--quiet",
+                     "--json", str(out), *flags]) == 0
+        return json.loads(out.read_text())["tokens"], [ln for ln in capsys.readouterr().err.splitlines()
+                                                       if "generation_config" in ln]
+
+    tokens, note = run("--repetition-penalty", "1.6")
+    assert tokens == penalised and len(note) == 1, note
+    assert "this run applies --repetition-penalty 1.6 where transformers' generate() applies none" in note[0] \
+        and "outputs differ" in note[0]
+    for flags in ((), ("--repetition-penalty", "1")):  # what generate() does: nothing to say
+        tokens, note = run(*flags)
+        assert tokens == default and note == [], (flags, note)
+
+
+def test_generate_on_a_config_sampling_at_temperature_0_offers_no_temperature_0(hf_dir, tmp_path, capsys):
+    """A generation_config with do_sample true at temperature 0 (transformers' generate() raises on it): the note
+    said generate() "draws by default" and offered "--temperature 0 ... to sample alike", greedy decoding; it now
+    says generate() refuses it, and names the call each run compares with."""
+    import shutil
+
+    d, _, _ = hf_dir
+    assert main(["convert", str(d), "--out", str(tmp_path / "base")]) == 0
+    ck = tmp_path / "ck"
+    shutil.copytree(tmp_path / "base", ck)
+    meta_file = ck / "tokenizer_meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["generation_config"].update(do_sample=True, temperature=0.0)
+    meta_file.write_text(json.dumps(meta))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(d)).eval()
+    hf.generation_config = transformers.GenerationConfig(**meta["generation_config"])
+    with torch.no_grad(), pytest.raises(ValueError, match="temperature"):  # the reference: transformers refuses it
+        hf.generate(torch.tensor([PROMPT]), max_new_tokens=2, pad_token_id=0)
+
+    def note(*flags):
+        capsys.readouterr()
+        assert main(["generate", str(ck), "--prompt", "t3 t7", "--max-new-tokens", "2", "--quiet", *flags]) == 0
+        return [ln for ln in capsys.readouterr().err.splitlines() if "generation_config" in ln]
+
+    greedy = note()
+    assert len(greedy) == 1 and "refuses" in greedy[0] and "generate(do_sample=False)" in greedy[0] \
+        and "--temperature" not in greedy[0] and "draws by default" not in greedy[0], greedy
+    sampled = note("--temperature", "0.7", "--top-k", "50")
+    assert len(sampled) == 1 and "refuses" in sampled[0] and "--temperature 0 " not in sampled[0] \
+        and "compare this run with generate(do_sample=True, temperature=0.7)" in sampled[0], sampled
+
+
+def test_the_note_says_which_values_are_transformers_defaults(hf_dir, tmp_path, capsys):
+    """A generation_config that samples at temperature 0.7 and sets no top_k / top_p: generate() fills those with its
+    own defaults (top_k 50, top_p 1), and the note named all three "(its generation_config)" to a run given
+    --top-k 20. Each value's source is now said; the values are generate()'s own (the reference: transformers'
+    default generation parameters)."""
+    import shutil
+
+    d, _, _ = hf_dir
+    assert main(["convert", str(d), "--out", str(tmp_path / "base")]) == 0
+    ck = tmp_path / "ck"
+    shutil.copytree(tmp_path / "base", ck)
+    meta_file = ck / "tokenizer_meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["generation_config"].update(do_sample=True, temperature=0.7)
+    assert meta["generation_config"].get("top_k") is None and meta["generation_config"].get("top_p") is None
+    meta_file.write_text(json.dumps(meta))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        filled = transformers.GenerationConfig()._get_default_generation_params()
+    assert (filled["top_k"], filled["top_p"]) == (50, 1.0)
+    for flags, said in ((["--temperature", "0.7", "--top-k", "20"], "top_k 50, top_p 1 (its generation_config; "
+                                                                    "top_k, top_p transformers' defaults)"),
+                        ([], "(temperature 0.7, top_k 50, top_p 1; top_k, top_p transformers' defaults)")):
+        capsys.readouterr()
+        assert main(["generate", str(ck), "--prompt", "t3 t7", "--max-new-tokens", "2", "--quiet", *flags]) == 0
+        note = [ln for ln in capsys.readouterr().err.splitlines() if "generation_config" in ln]
+        assert len(note) == 1 and said in note[0], (flags, note)
