@@ -357,3 +357,42 @@ def test_an_early_exit_plan_is_refused_before_any_work(tmp_path, kv):
         adapt(AdaptConfig(plan="2xF1-h0-K0", **kw))
     assert "\n" not in str(e.value) and not (tmp_path / "d").exists()
     AdaptConfig(plan="2xF1-fwd-K0", **kw).check()
+
+
+def test_a_resumed_init_drafter_run_neither_reads_that_drafter_again_nor_records_another(tmp_path):
+    """A resumed run continues its own checkpoint's weights, yet it re-read its --init-drafter folder: moved since, the
+    resume failed ("does not exist"), and replaced by another drafter of the base at the same path, the finished
+    drafter's record named the new one's digest as the drafter it started from. The resume equals a run never
+    stopped (weights), and its record holds the digest of the drafter the first leg read."""
+    import dataclasses
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from snlp.train.adapt import adapt
+
+    adapt(adapt_cfg(tmp_path, out="a", steps=3))
+    digest = json.loads((tmp_path / "a" / "drafter.json").read_text())["meta_digest"]
+    ref = adapt_cfg(tmp_path, out="ref", steps=4, init_drafter=str(tmp_path / "a"))
+    adapt(ref)
+    cfg = dataclasses.replace(ref, out=str(tmp_path / "b"), stop_after=2, save_every=2)
+    assert adapt(cfg).stopped_by == "stop_after"
+    shutil.move(tmp_path / "a", tmp_path / "a-moved")
+    adapt(adapt_cfg(tmp_path, out="a", steps=2, seed=1))  # another drafter of the same base, where the first was
+    assert json.loads((tmp_path / "a" / "drafter.json").read_text())["meta_digest"] != digest
+    res = adapt(dataclasses.replace(cfg, stop_after=None, resume=True))
+    assert res.steps == 4 and res.stopped_by == "budget"
+    wr, wb = (load_file(str(tmp_path / x / "drafter.safetensors")) for x in ("ref", "b"))
+    assert wr.keys() == wb.keys() and all(torch.equal(wr[k], wb[k]) for k in wr)
+    rec = json.loads((tmp_path / "b" / "drafter.json").read_text())["record"]
+    assert rec["init_drafter_digest"] == digest
+    shutil.rmtree(tmp_path / "a")  # and with no drafter left at that path, a stopped run still resumes
+    cfg2 = dataclasses.replace(cfg, out=str(tmp_path / "c"))
+    shutil.move(tmp_path / "a-moved", tmp_path / "a")
+    assert adapt(cfg2).stopped_by == "stop_after"
+    shutil.rmtree(tmp_path / "a")
+    res = adapt(dataclasses.replace(cfg2, stop_after=None, resume=True))
+    assert res.steps == 4
+    wc = load_file(str(tmp_path / "c" / "drafter.safetensors"))
+    assert all(torch.equal(wr[k], wc[k]) for k in wr)
+    assert json.loads((tmp_path / "c" / "drafter.json").read_text())["record"]["init_drafter_digest"] == digest
