@@ -157,6 +157,7 @@ def run(args) -> int:
 
     cfg = config_from_args(args)
     shape = [k for k in SHAPE if k in (getattr(args, "given", None) or ())]
+    saved = None  # the resumed run's settings
     if cfg.init_from:  # typed at their defaults too (TrainConfig.check sees only values): the checkpoint decides
         check_init_from_shape(cfg.init_from, shape)
     if cfg.resume:  # the flags not typed keep the saved run's values; typed ones it may not change are refused
@@ -169,6 +170,7 @@ def run(args) -> int:
         if saved and cfg.data == saved.get("data"):  # before anything loads (pretrain_job checks it too)
             check_data_present(cfg)
     check_reg_flags(cfg.reg, getattr(args, "given", None))
+    check_hc_flags(cfg, (saved or {}).get("init_from"), getattr(args, "given", None))
     check_out_outside_data(cfg.out, cfg.data)  # before the run's folder is made (pretrain_job checks it too)
     check_stop_file(args.stop_file, cfg.out, cfg.resume)
     res = fit(cfg, hooks=replace(file_hooks(args.stop_file), pass_late_signal=False))
@@ -192,6 +194,20 @@ def check_reg_flags(reg: str, given) -> None:
         names = ", ".join("--" + d.replace("_", "-") for d in typed)
         raise ValueError(f"{names} {'sets' if len(typed) == 1 else 'set'} the SNLP-aware regulariser, and this run has "
                          f"none (--reg none): give --reg idn, hcn or diag, or drop {'it' if len(typed) == 1 else 'them'}")
+
+
+def check_hc_flags(cfg, saved_init_from, given) -> None:
+    """Refuse --hc-static or --hc-lr typed for a plain-residual model, in one line before any work: without
+    --hc-streams the model has no H coefficients, so the run trained the plain model and said nothing. A model from a
+    checkpoint (--init-from, or a resumed run that started from one) has the streams of that checkpoint, which may be
+    an mHC model's: --hc-lr then sets its H group (--hc-static, a shape flag, is refused beside it already)."""
+    typed = [d for d in ("hc_static", "hc_lr") if d in (given or ())]
+    if not typed or cfg.hc_streams > 0 or cfg.init_from or saved_init_from:
+        return
+    names = " and ".join("--" + d.replace("_", "-") for d in typed)
+    raise ValueError(f"{names} {'sets' if len(typed) == 1 else 'set'} the mHC residual streams' H coefficients, and "
+                     f"this model has none (--hc-streams 0): give --hc-streams N (N >= 1), or drop "
+                     f"{'it' if len(typed) == 1 else 'them'}")
 
 
 def finished_despite(command: str, res) -> int:

@@ -102,3 +102,18 @@ def test_a_learning_rate_float32_cannot_hold_is_refused_before_any_work(flag, co
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"{flag} 1e+39 is past float32's largest number" in err, err
     assert not out.exists() and not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("flags", [["--hc-lr", "0.1"], ["--hc-static"], ["--hc-static", "--hc-lr", "0.1"]])
+def test_mhc_flags_without_mhc_streams_are_refused_not_ignored(flags, corpus, tmp_path, capsys):
+    """--hc-lr and --hc-static set the mHC streams' H coefficients; without --hc-streams the model has none, and the
+    run trained the plain model and said nothing. Refused in one line before any work; with --hc-streams both run."""
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), "--data", str(corpus), "--cache-dir", str(cache), *TINY, *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--hc-streams" in err and flags[0] in err, err
+    assert not cache.exists() and not out.exists()
+    assert main(["train", "--out", str(out), "--data", str(corpus), "--cache-dir", str(cache), *TINY, *flags,
+                 "--hc-streams", "2"]) == 0
+    assert (out / "model.safetensors").is_file()
