@@ -117,3 +117,25 @@ def test_mhc_flags_without_mhc_streams_are_refused_not_ignored(flags, corpus, tm
     assert main(["train", "--out", str(out), "--data", str(corpus), "--cache-dir", str(cache), *TINY, *flags,
                  "--hc-streams", "2"]) == 0
     assert (out / "model.safetensors").is_file()
+
+
+def test_init_from_windows_past_the_checkpoints_context_are_refused(corpus, tmp_path, capsys):
+    """`snlp train --init-from CKPT --seq-len T` with T above CKPT's sequence_len trained windows of T positions,
+    while the fine-tuned model kept CKPT's context (its KV cache holds sequence_len positions): positions it never
+    decodes at, as `snlp adapt` refuses. Refused in one line before the data is read or --out written; the context
+    itself still trains."""
+    from snlp.io.checkpoint import load
+
+    cache = tmp_path / "cache"
+    assert main(["train", "--out", str(tmp_path / "base"), "--data", str(corpus), "--cache-dir", str(cache), *TINY]) == 0
+    ctx = load(tmp_path / "base")[0].config.sequence_len
+    assert ctx == 16
+    tune = ["train", "--init-from", str(tmp_path / "base"), "--data", str(corpus), "--cache-dir", str(cache),
+            "--batch-size", "2", "--steps", "1", "--eval-batches", "1", "--no-progress", "--device", "cpu"]
+    capsys.readouterr()
+    assert main([*tune, "--out", str(tmp_path / "ft"), "--seq-len", str(ctx + 1)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"exceeds the context of {tmp_path / 'base'} ({ctx} positions)" in err, err
+    assert not (tmp_path / "ft").exists()
+    assert main([*tune, "--out", str(tmp_path / "ft"), "--seq-len", str(ctx)]) == 0
+    assert load(tmp_path / "ft")[0].config.sequence_len == ctx
