@@ -396,3 +396,25 @@ def test_a_resumed_init_drafter_run_neither_reads_that_drafter_again_nor_records
     wc = load_file(str(tmp_path / "c" / "drafter.safetensors"))
     assert all(torch.equal(wr[k], wc[k]) for k in wr)
     assert json.loads((tmp_path / "c" / "drafter.json").read_text())["record"]["init_drafter_digest"] == digest
+
+
+def test_a_cache_dir_the_run_would_not_use_is_refused_not_ignored(tmp_path, capsys):
+    """`snlp adapt --cache-dir DIR` with a chat: part in --data and no --self-distill kept nothing there (a spec with a
+    chat part is rendered again on every run) and said nothing. Refused in one line before any work; with text parts
+    only it keeps the tokens there, and with --self-distill the base's replies."""
+    from snlp.apps.cli import main
+
+    base, text, chats = tiny_ckpt(tmp_path)
+    cache = tmp_path / "cache"
+    common = [str(base), "--plan", "2xF1-h0-K1", "--steps", "1", "--seq-len", "8", "--eval-every", "100",
+              "--eval-batches", "1", "--save-every", "0", "--no-progress", "--cache-dir", str(cache)]
+    capsys.readouterr()
+    for data in (f"chat:{chats}", f"{text},chat:{chats}"):
+        assert main(["adapt", *common, "--data", data, "--out", str(tmp_path / "a")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "--cache-dir" in err and "chat: parts" in err, err
+        assert not cache.exists() and not (tmp_path / "a").exists()
+    assert main(["adapt", *common, "--data", str(text), "--out", str(tmp_path / "t")]) == 0
+    assert [p.suffix for p in cache.iterdir()] == [".npz"]
+    assert main(["adapt", *common, "--data", f"chat:{chats}", "--self-distill", "4", "--out", str(tmp_path / "s")]) == 0
+    assert any(p.name.startswith("selfgen-") for p in cache.iterdir())
