@@ -171,6 +171,7 @@ def run(args) -> int:
             check_data_present(cfg)
     check_reg_flags(cfg.reg, getattr(args, "given", None))
     check_hc_flags(cfg, (saved or {}).get("init_from"), getattr(args, "given", None))
+    check_text_field(cfg.data, getattr(args, "given", None))
     check_out_outside_data(cfg.out, cfg.data)  # before the run's folder is made (pretrain_job checks it too)
     check_stop_file(args.stop_file, cfg.out, cfg.resume)
     res = fit(cfg, hooks=replace(file_hooks(args.stop_file), pass_late_signal=False))
@@ -208,6 +209,26 @@ def check_hc_flags(cfg, saved_init_from, given) -> None:
     raise ValueError(f"{names} {'sets' if len(typed) == 1 else 'set'} the mHC residual streams' H coefficients, and "
                      f"this model has none (--hc-streams 0): give --hc-streams N (N >= 1), or drop "
                      f"{'it' if len(typed) == 1 else 'them'}")
+
+
+def check_text_field(data: str, given) -> None:
+    """Refuse a typed --text-field where no part of --data has fields (a .jsonl / .parquet file, found in a folder or
+    glob too, or hf:NAME), in one line before any work: plain text files are read whole, so the field was ignored
+    and the run said nothing. A part that names nothing is left to the loader's own message."""
+    from snlp.io.data import TABLE_SUFFIXES, parts, resolve_files
+
+    if "text_field" not in (given or ()):
+        return
+    for part in parts(data):
+        if part.startswith("hf:"):
+            return
+        try:
+            if any(f.suffix.lower() in TABLE_SUFFIXES for f in resolve_files(part)):
+                return
+        except ValueError:
+            return
+    raise ValueError(f"--text-field names the text field of .jsonl / .parquet rows and hf: datasets, and --data "
+                     f"{data!r} has none (text files are read whole): drop --text-field")
 
 
 def finished_despite(command: str, res) -> int:

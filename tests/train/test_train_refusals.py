@@ -139,3 +139,23 @@ def test_init_from_windows_past_the_checkpoints_context_are_refused(corpus, tmp_
     assert not (tmp_path / "ft").exists()
     assert main([*tune, "--out", str(tmp_path / "ft"), "--seq-len", str(ctx)]) == 0
     assert load(tmp_path / "ft")[0].config.sequence_len == ctx
+
+
+def test_a_text_field_for_data_without_fields_is_refused_not_ignored(corpus, tmp_path, capsys):
+    """--text-field picks the text of .jsonl / .parquet rows and hf: datasets; with plain text files only it was
+    ignored and the run said nothing. Refused in one line before any work; with a .jsonl part beside the text it
+    reads that field."""
+    import json
+
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), "--data", str(corpus), "--cache-dir", str(cache), *TINY,
+                 "--text-field", "body"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--text-field" in err and "has none" in err, err
+    assert not cache.exists() and not out.exists()
+    rows = tmp_path / "rows.jsonl"
+    text = corpus.read_text()
+    rows.write_text("\n".join(json.dumps({"body": text[i:i + 3000]}) for i in range(0, 15_000, 3000)))
+    assert main(["train", "--out", str(out), "--data", f"{corpus},{rows}", "--cache-dir", str(cache), *TINY,
+                 "--text-field", "body"]) == 0
