@@ -170,6 +170,7 @@ def run(args) -> int:
         if saved and cfg.data == saved.get("data"):  # before anything loads (pretrain_job checks it too)
             check_data_present(cfg)
     check_reg_flags(cfg.reg, getattr(args, "given", None))
+    cfg.check()  # a value out of range is named as such before the checks of what the flags apply to
     check_hc_flags(cfg, (saved or {}).get("init_from"), getattr(args, "given", None))
     check_text_field(cfg.data, getattr(args, "given", None))
     check_out_outside_data(cfg.out, cfg.data)  # before the run's folder is made (pretrain_job checks it too)

@@ -61,7 +61,7 @@ from snlp.model.fingerprint import same_weights, weights_fingerprint
 from snlp.model.gpt import GPT
 from snlp.model.ops import norm
 from snlp.train.checkpointing import UNSAVED_LOG, check_resume_left, read_log, unsaved_log_path
-from snlp.train.config import TrainConfig, resumed
+from snlp.train.config import TrainConfig, resumed, shown
 from snlp.train.distributed import setup_dist, teardown_dist
 from snlp.train.hooks import TrainHooks, deferred
 from snlp.train.job import Job
@@ -619,7 +619,8 @@ def check_resume(cfg: AdaptConfig, plan: Plan, fingerprint: str) -> None:
     diff = [k for k in RESUME_FIXED if k in was and was[k] != now[k]]
     if diff:
         raise ValueError(f"--resume: the run in {run} was started with "
-                         + ", ".join(f"--{k.replace('_', '-')} {was[k]!r} (not {now[k]!r})" for k in diff)
+                         + ", ".join(f"--{k.replace('_', '-')} {shown(k, was[k])} (not {shown(k, now[k])})"
+                                     for k in diff)
                          + ": resume it with the settings it started with, or start a new run in another --out")
 
 

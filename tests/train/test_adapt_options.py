@@ -418,3 +418,17 @@ def test_a_cache_dir_the_run_would_not_use_is_refused_not_ignored(tmp_path, caps
     assert [p.suffix for p in cache.iterdir()] == [".npz"]
     assert main(["adapt", *common, "--data", f"chat:{chats}", "--self-distill", "4", "--out", str(tmp_path / "s")]) == 0
     assert any(p.name.startswith("selfgen-") for p in cache.iterdir())
+
+
+def test_an_adapt_resume_refusal_says_a_flag_left_out_not_none(tmp_path):
+    """Resuming a run started without --init-drafter with one typed was refused as "--init-drafter None (not ...)"."""
+    import dataclasses
+
+    from snlp.train.adapt import adapt
+
+    adapt(adapt_cfg(tmp_path, out="a", steps=2))
+    cfg = adapt_cfg(tmp_path, out="b", steps=4, stop_after=2, save_every=2)
+    adapt(cfg)
+    with pytest.raises(ValueError) as e:
+        adapt(dataclasses.replace(cfg, stop_after=None, resume=True, init_drafter=str(tmp_path / "a")))
+    assert f"--init-drafter (not given) (not '{tmp_path / 'a'}')" in str(e.value) and "None" not in str(e.value)

@@ -159,3 +159,20 @@ def test_a_text_field_for_data_without_fields_is_refused_not_ignored(corpus, tmp
     rows.write_text("\n".join(json.dumps({"body": text[i:i + 3000]}) for i in range(0, 15_000, 3000)))
     assert main(["train", "--out", str(out), "--data", f"{corpus},{rows}", "--cache-dir", str(cache), *TINY,
                  "--text-field", "body"]) == 0
+
+
+def test_a_resume_refusal_names_settings_in_the_flags_terms():
+    """A resumed run typed with --freeze-prefix (no S) that was saved without it was refused as "--freeze-prefix None
+    (given: -1)": the field's internal values, which no flag takes. It now says what was typed."""
+    from dataclasses import asdict
+
+    from snlp.train.config import TrainConfig, check_resume_settings
+
+    saved = asdict(TrainConfig(out="x"))
+    with pytest.raises(ValueError) as e:
+        check_resume_settings(TrainConfig(out="x", resume=True, freeze_prefix=-1), saved, "x", reads_data=False)
+    said = str(e.value)
+    assert "--freeze-prefix (not given) (given: (without S: depth - max(--reg-n)))" in said, said
+    assert "None" not in said and "-1" not in said
+    with pytest.raises(ValueError, match=r"--freeze-prefix 2 \(given: \(not given\)\)"):
+        check_resume_settings(TrainConfig(out="x", resume=True), {**saved, "freeze_prefix": 2}, "x", reads_data=False)
