@@ -470,8 +470,9 @@ def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict, loaded: tuple, fingerpri
                    describe=f"adapting the {plan} drafter of {cfg.src} (kv={cfg.kv}, "
                    f"{f'LoRA rank {cfg.lora_rank} deltas' if cfg.lora_rank else 'suffix'} "
                    f"{drafter.extra_bytes() / 2**20:.1f} MiB) on {len(train):,} train / {len(val):,} val tokens of "
-                   f"{what}", name="snlp adapt", state={"adapt": asdict(cfg), "adapt_base": fingerprint,
-                                                         **({"adapt_init_digest": digest} if digest else {})})
+                   f"{what}", name="snlp adapt", second_term="mse",
+                   state={"adapt": asdict(cfg), "adapt_base": fingerprint,
+                          **({"adapt_init_digest": digest} if digest else {})})
 
     return make_job
 

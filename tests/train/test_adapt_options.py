@@ -432,3 +432,21 @@ def test_an_adapt_resume_refusal_says_a_flag_left_out_not_none(tmp_path):
     with pytest.raises(ValueError) as e:
         adapt(dataclasses.replace(cfg, stop_after=None, resume=True, init_drafter=str(tmp_path / "a")))
     assert f"--init-drafter (not given) (not '{tmp_path / 'a'}')" in str(e.value) and "None" not in str(e.value)
+
+
+def test_the_logs_train_rows_name_the_kl_and_the_mse_not_a_regulariser(tmp_path):
+    """An adaptation's train rows logged its final-state MSE as `reg` beside `lambda: 0.0`, the pretraining
+    regulariser's keys (docs/training.md), for a term that is no regulariser and a weight that is none. They hold
+    `loss` (the KL term) and `mse`, step 1's the naive terms of the first batch on the unadapted drafter."""
+    from snlp.train.checkpointing import read_log
+    from snlp.train.adapt import adapt
+
+    cfg = adapt_cfg(tmp_path, steps=1, log_every=1, tau=1.5)
+    adapt(cfg)
+    rows = [r for r in read_log(tmp_path / "d" / "log.jsonl") if "loss" in r]
+    assert len(rows) == 1 and "mse" in rows[0] and "reg" not in rows[0] and "lambda" not in rows[0], rows
+    job, held, _ = build_job(adapt_cfg(tmp_path, out="fresh", steps=1, tau=1.5), dtype=torch.float32)
+    x, _ = job.batch(0, 0, 1)
+    kl, mse, n = naive_terms(held, x, None, 1.5)
+    assert n == x.numel()
+    assert abs(rows[0]["loss"] - kl) < 1e-5 * kl and abs(rows[0]["mse"] - mse) < 1e-5 * mse, (rows[0], kl, mse)
