@@ -124,6 +124,7 @@ def run(args) -> int:
 
     cfg = AdaptConfig(**{k: getattr(args, k) for k in AdaptConfig.__dataclass_fields__})
     cfg = resumed_adapt(cfg, getattr(args, "given", None))  # --resume: the flags not typed keep the saved values
+    check_cache_dir(cfg, getattr(args, "given", None))
     if cfg.resume:  # a finished run, or no step left: nothing to continue (the drafter's record is kept)
         check_resume_left_adapt(cfg)
     if cfg.src is None or cfg.plan is None:
@@ -164,6 +165,20 @@ def run(args) -> int:
     if args.json:
         write_result(args.json, res)
     return finished_despite("adapt", res)  # a signal after the last step: the drafter is written, nothing to resume
+
+
+def check_cache_dir(cfg, given) -> None:
+    """Refuse a typed --cache-dir that the run would not use, in one line before any work: a --data with a chat: part
+    is rendered again on every run (snlp.train.adapt.token_stream keeps text-only specs), so without --self-distill
+    (whose replies it keeps) nothing is written there or read back, and the run said nothing."""
+    from snlp.io.data import parts
+
+    if "cache_dir" not in (given or ()) or not cfg.cache_dir or cfg.self_distill:
+        return
+    if any(p.startswith("chat:") for p in parts(cfg.data)):
+        raise ValueError(f"--cache-dir keeps tokenised text data of text parts only and --self-distill's replies: "
+                         f"--data {cfg.data!r} has chat: parts (rendered again on every run) and there is no "
+                         f"--self-distill, so nothing would be kept there: drop --cache-dir")
 
 
 def write_result(path, res) -> None:

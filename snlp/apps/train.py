@@ -157,6 +157,7 @@ def run(args) -> int:
 
     cfg = config_from_args(args)
     shape = [k for k in SHAPE if k in (getattr(args, "given", None) or ())]
+    saved = None  # the resumed run's settings
     if cfg.init_from:  # typed at their defaults too (TrainConfig.check sees only values): the checkpoint decides
         check_init_from_shape(cfg.init_from, shape)
     if cfg.resume:  # the flags not typed keep the saved run's values; typed ones it may not change are refused
@@ -169,6 +170,9 @@ def run(args) -> int:
         if saved and cfg.data == saved.get("data"):  # before anything loads (pretrain_job checks it too)
             check_data_present(cfg)
     check_reg_flags(cfg.reg, getattr(args, "given", None))
+    cfg.check()  # a value out of range is named as such before the checks of what the flags apply to
+    check_hc_flags(cfg, (saved or {}).get("init_from"), getattr(args, "given", None))
+    check_text_field(cfg.data, getattr(args, "given", None))
     check_out_outside_data(cfg.out, cfg.data)  # before the run's folder is made (pretrain_job checks it too)
     check_stop_file(args.stop_file, cfg.out, cfg.resume)
     res = fit(cfg, hooks=replace(file_hooks(args.stop_file), pass_late_signal=False))
@@ -192,6 +196,40 @@ def check_reg_flags(reg: str, given) -> None:
         names = ", ".join("--" + d.replace("_", "-") for d in typed)
         raise ValueError(f"{names} {'sets' if len(typed) == 1 else 'set'} the SNLP-aware regulariser, and this run has "
                          f"none (--reg none): give --reg idn, hcn or diag, or drop {'it' if len(typed) == 1 else 'them'}")
+
+
+def check_hc_flags(cfg, saved_init_from, given) -> None:
+    """Refuse --hc-static or --hc-lr typed for a plain-residual model, in one line before any work: without
+    --hc-streams the model has no H coefficients, so the run trained the plain model and said nothing. A model from a
+    checkpoint (--init-from, or a resumed run that started from one) has the streams of that checkpoint, which may be
+    an mHC model's: --hc-lr then sets its H group (--hc-static, a shape flag, is refused beside it already)."""
+    typed = [d for d in ("hc_static", "hc_lr") if d in (given or ())]
+    if not typed or cfg.hc_streams > 0 or cfg.init_from or saved_init_from:
+        return
+    names = " and ".join("--" + d.replace("_", "-") for d in typed)
+    raise ValueError(f"{names} {'sets' if len(typed) == 1 else 'set'} the mHC residual streams' H coefficients, and "
+                     f"this model has none (--hc-streams 0): give --hc-streams N (N >= 1), or drop "
+                     f"{'it' if len(typed) == 1 else 'them'}")
+
+
+def check_text_field(data: str, given) -> None:
+    """Refuse a typed --text-field where no part of --data has fields (a .jsonl / .parquet file, found in a folder or
+    glob too, or hf:NAME), in one line before any work: plain text files are read whole, so the field was ignored
+    and the run said nothing. A part that names nothing is left to the loader's own message."""
+    from snlp.io.data import TABLE_SUFFIXES, parts, resolve_files
+
+    if "text_field" not in (given or ()):
+        return
+    for part in parts(data):
+        if part.startswith("hf:"):
+            return
+        try:
+            if any(f.suffix.lower() in TABLE_SUFFIXES for f in resolve_files(part)):
+                return
+        except ValueError:
+            return
+    raise ValueError(f"--text-field names the text field of .jsonl / .parquet rows and hf: datasets, and --data "
+                     f"{data!r} has none (text files are read whole): drop --text-field")
 
 
 def finished_despite(command: str, res) -> int:

@@ -61,7 +61,7 @@ from snlp.model.fingerprint import same_weights, weights_fingerprint
 from snlp.model.gpt import GPT, eval_mode
 from snlp.model.ops import norm
 from snlp.train.checkpointing import UNSAVED_LOG, check_resume_left, read_log, unsaved_log_path
-from snlp.train.config import TrainConfig, resumed
+from snlp.train.config import TrainConfig, resumed, shown
 from snlp.train.distributed import setup_dist, teardown_dist
 from snlp.train.hooks import TrainHooks, deferred
 from snlp.train.job import Job
@@ -164,8 +164,10 @@ class AdaptConfig:
         check_rank(self.lora_rank, self.lora_alpha)
         if self.init_drafter and self.from_model:
             raise ValueError("--init-drafter starts training from a drafter, and --from-model trains nothing: use one")
-        if self.init_drafter:  # a typo or a folder of another kind: one line before the base loads (init_state reads
-            read_meta(self.init_drafter)  # it again and checks it against the base)
+        if self.init_drafter and not self.resume:  # a typo or a folder of another kind: one line before the base
+            # loads (init_state reads it again and checks it against the base). A resumed run continues its own
+            # weights and records the digest its first leg saved (`init_digest`): the folder is not read again
+            read_meta(self.init_drafter)
         if self.from_model and (self.lora_rank or self.resume or self.steps is not None or self.minutes is not None
                                 or self.save_every):
             raise ValueError("--from-model packages another model's suffix as the drafter without training: it takes "
@@ -405,13 +407,15 @@ def train_config(cfg: AdaptConfig, width: int) -> TrainConfig:
 
 
 def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict, loaded: tuple, fingerprint: str, owned: bool = True,
-              init: dict | None = None):
+              init: dict | None = None, digest: str | None = None):
     """The `make_job` of fit: the base (`loaded` = (model, tokenizer), loaded once by the caller; frozen, with
     its weights `fingerprint`), its drafter (resumed: the run's suffix weights), the token streams and the
     distillation step. `owned`: the base was loaded for this run and may be moved to the run's device; a
     caller's model (owned False) is never moved: the run uses a copy on its device when they differ. `held`
     receives the base, the drafter, this process's rank and world and the device for the caller. `init`: the
-    suffix state the drafter starts from (`init_state`; a resumed run's own weights replace it)."""
+    suffix state the drafter starts from (`init_state`; a resumed run's own weights replace it); `digest`: the meta
+    digest of the --init-drafter it came from, saved with every checkpoint so that a resumed run records it without
+    reading that folder again."""
 
     def make_job(tcfg: TrainConfig, model, tok, rank: int, world: int, device) -> Job:
         base, btok = loaded
@@ -466,7 +470,9 @@ def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict, loaded: tuple, fingerpri
                    describe=f"adapting the {plan} drafter of {cfg.src} (kv={cfg.kv}, "
                    f"{f'LoRA rank {cfg.lora_rank} deltas' if cfg.lora_rank else 'suffix'} "
                    f"{drafter.extra_bytes() / 2**20:.1f} MiB) on {len(train):,} train / {len(val):,} val tokens of "
-                   f"{what}", name="snlp adapt", state={"adapt": asdict(cfg), "adapt_base": fingerprint})
+                   f"{what}", name="snlp adapt", second_term="mse",
+                   state={"adapt": asdict(cfg), "adapt_base": fingerprint,
+                          **({"adapt_init_digest": digest} if digest else {})})
 
     return make_job
 
@@ -540,6 +546,14 @@ def init_state(cfg: AdaptConfig, plan: Plan, base: GPT, fingerprint: str) -> tup
     return {k: v.detach().cpu().clone() for k, v in state.items()}, meta["meta_digest"]
 
 
+def init_digest(cfg: AdaptConfig) -> str | None:
+    """The meta digest of the --init-drafter a resumed run started from, as its first leg saved it in OUT/run (None:
+    a run without --init-drafter, or none to resume: fit refuses that with its own message)."""
+    run = Path(cfg.out) / RUN
+    st = load_train_state(run) if (run / "train_state.pt").is_file() else None
+    return st.get("adapt_init_digest") if isinstance(st, dict) else None
+
+
 def saved_adapt(out) -> dict | None:
     """The AdaptConfig settings saved with the run in OUT/run (as `adapt` resolved them: paths absolute); None where
     it holds no resumable run (or one that records none)."""
@@ -606,7 +620,8 @@ def check_resume(cfg: AdaptConfig, plan: Plan, fingerprint: str) -> None:
     diff = [k for k in RESUME_FIXED if k in was and was[k] != now[k]]
     if diff:
         raise ValueError(f"--resume: the run in {run} was started with "
-                         + ", ".join(f"--{k.replace('_', '-')} {was[k]!r} (not {now[k]!r})" for k in diff)
+                         + ", ".join(f"--{k.replace('_', '-')} {shown(k, was[k])} (not {shown(k, now[k])})"
+                                     for k in diff)
                          + ": resume it with the settings it started with, or start a new run in another --out")
 
 
@@ -651,9 +666,12 @@ def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None, base: tuple | None 
     if cfg.from_model:
         return import_drafter(cfg, plan, base, owned)
     fingerprint = weights_fingerprint(base[0])
-    init = init_state(cfg, plan, base[0], fingerprint) if cfg.init_drafter else None
     if cfg.resume:
         check_resume(cfg, plan, fingerprint)
+    # a resumed run's suffix is its own checkpoint's (adapt_job), so the --init-drafter folder, which may have moved
+    # or been replaced since, is not read: the digest of the drafter it started from is the one its first leg saved
+    init = (None, init_digest(cfg)) if cfg.resume else \
+        init_state(cfg, plan, base[0], fingerprint) if cfg.init_drafter else None
     # torchrun: the group outlives fit (which leaves a group it did not create alone), so every rank can wait for
     # rank 0's drafter below; it is destroyed here only if this call created it (a caller's group stays)
     ctx = setup_dist(cfg.device) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
@@ -676,7 +694,8 @@ def _adapt(cfg: AdaptConfig, plan: Plan, hooks, base: tuple, owned: bool, finger
     with deferred():
         try:
             res = fit(train_config(cfg, model.config.n_embd),
-                      adapt_job(cfg, plan, held, base, fingerprint, owned, init[0] if init else None), hooks)
+                      adapt_job(cfg, plan, held, base, fingerprint, owned, init[0] if init else None,
+                                init[1] if init else None), hooks)
         finally:  # a caller's model leaves as it came (the run froze it while it ran)
             if not owned:
                 for p, f in zip(model.parameters(), flags):

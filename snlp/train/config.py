@@ -268,7 +268,7 @@ def check_resume_settings(cfg: TrainConfig, saved: dict | None, where, reads_dat
     said = []
     if diff:
         said.append("was saved with "
-                    + ", ".join(f"--{k.replace('_', '-')} {was!r} (given: {now!r})" for k, was, now in diff)
+                    + ", ".join(f"--{k.replace('_', '-')} {shown(k, was)} (given: {shown(k, now)})" for k, was, now in diff)
                     + (" (snlp sft and snlp adapt set the LRs from --lr-scale / --lr and --optimizer)"
                        if any(k.endswith("_lr") for k, _, _ in diff) else "")
                     + (" (the saved data is gone, and the given one holds other files than the record's: "
@@ -290,6 +290,16 @@ def check_resume_settings(cfg: TrainConfig, saved: dict | None, where, reads_dat
         said.append(init_from_shape_refusal(saved["init_from"], shape))
     if said:
         raise ValueError(f"--resume: the run in {where}" + (" " if diff else ": ") + "; ".join(said))
+
+
+def shown(name: str, value) -> str:
+    """A setting as the resume refusal names it: in the flag's terms, not the field's internal values (None is a flag
+    left out; --freeze-prefix typed without S is stored as -1)."""
+    if value is None:
+        return "(not given)"
+    if name == "freeze_prefix" and value == -1:
+        return "(without S: depth - max(--reg-n))"
+    return repr(value)
 
 
 def init_from_shape_refusal(init_from: str, fields_set) -> str:

@@ -41,6 +41,9 @@ class Job:
     # (y != -1, valid) when the batch has `valid`, else unweighted (every rank's mean over the same number of tokens)
     counts: Callable[[Tensor, Tensor | None], tuple[float, float]] | None = None
     data_digest: str | None = None  # data.tokens_digest of the tokens it trains on (pretraining); a resume checks it
+    # the train rows' key of the second term `loss` returns, for a job whose second term is not the regulariser (snlp
+    # adapt's final-state MSE); None: the regulariser's `reg` (`reg_subset` under --reg-rows) beside its `lambda`
+    second_term: str | None = None
 
 
 class TrainStep(nn.Module):

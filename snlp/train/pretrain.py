@@ -131,6 +131,13 @@ def pretrain_job(cfg: TrainConfig, model: GPT | None, tok: Tokenizer | None, ran
     `model`/`tok` are given when resuming; otherwise the tokenizer is trained and the model initialised."""
     if model is None and cfg.init_from:  # fine-tuning: the checkpoint's weights and tokenizer
         model, tok = init_from_checkpoint(cfg.init_from)
+        if cfg.seq_len > model.config.sequence_len:  # (a resumed run's windows were checked when it started)
+            # windows past the checkpoint's context train positions it never decodes at (its KV cache holds
+            # sequence_len, which the saved model keeps), as `snlp adapt` refuses them; a new model's context is
+            # --seq-len itself (build_config)
+            raise ValueError(f"--seq-len {cfg.seq_len} exceeds the context of {cfg.init_from} "
+                             f"({model.config.sequence_len} positions), which the fine-tuned model keeps: give "
+                             f"--seq-len {model.config.sequence_len} or less")
     check_out_outside_data(cfg.out, cfg.data)
     if cfg.resume:  # a moved project: say so, for library callers and the speedrun too
         check_data_present(cfg)

@@ -452,13 +452,17 @@ def log_step(run: Run, state: LoopState, st: StepStats) -> None:
     # first ceil(F * B), a different (noisier) number, so it is logged as `reg_subset`, never as `reg`
     rows = run.cfg.reg_rows
     reg_key = "reg" if rows is None or reg_rows(rows, run.cfg.batch_size) == run.cfg.batch_size else "reg_subset"
+    # a job whose second term is not the regulariser (adapt's MSE) logs it under its own name, without a lambda
+    own = run.job.second_term
+    reg_key = own or reg_key
     if run.bar is not None:
         run.bar.update(1)
         run.bar.set_postfix(loss=f"{st.loss:.3f}", **{reg_key: f"{st.reg:.3f}"}, tok_s=f"{st.tok_s:,.0f}",
                             lr=f"{run.opts[0].param_groups[0]['lr']:.2e}", refresh=False)
     end = state.stopped_by is not None
     if state.step % run.cfg.log_every == 0 or state.step == 1 or end:
-        write_log(run, {"step": state.step, "loss": st.loss, reg_key: st.reg, "lambda": st.lam, "tok_s": st.tok_s,
+        write_log(run, {"step": state.step, "loss": st.loss, reg_key: st.reg, **({} if own else {"lambda": st.lam}),
+                        "tok_s": st.tok_s,
                         "elapsed": run.progress.elapsed, "lr_scale": st.lr_scale, "grad_norm": st.grad_norm,
                         "step_s": st.step_s, **({"stop": state.stopped_by} if end else {})}, st.mfu)
 

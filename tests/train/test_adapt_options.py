@@ -357,3 +357,96 @@ def test_an_early_exit_plan_is_refused_before_any_work(tmp_path, kv):
         adapt(AdaptConfig(plan="2xF1-h0-K0", **kw))
     assert "\n" not in str(e.value) and not (tmp_path / "d").exists()
     AdaptConfig(plan="2xF1-fwd-K0", **kw).check()
+
+
+def test_a_resumed_init_drafter_run_neither_reads_that_drafter_again_nor_records_another(tmp_path):
+    """A resumed run continues its own checkpoint's weights, yet it re-read its --init-drafter folder: moved since, the
+    resume failed ("does not exist"), and replaced by another drafter of the base at the same path, the finished
+    drafter's record named the new one's digest as the drafter it started from. The resume equals a run never
+    stopped (weights), and its record holds the digest of the drafter the first leg read."""
+    import dataclasses
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from snlp.train.adapt import adapt
+
+    adapt(adapt_cfg(tmp_path, out="a", steps=3))
+    digest = json.loads((tmp_path / "a" / "drafter.json").read_text())["meta_digest"]
+    ref = adapt_cfg(tmp_path, out="ref", steps=4, init_drafter=str(tmp_path / "a"))
+    adapt(ref)
+    cfg = dataclasses.replace(ref, out=str(tmp_path / "b"), stop_after=2, save_every=2)
+    assert adapt(cfg).stopped_by == "stop_after"
+    shutil.move(tmp_path / "a", tmp_path / "a-moved")
+    adapt(adapt_cfg(tmp_path, out="a", steps=2, seed=1))  # another drafter of the same base, where the first was
+    assert json.loads((tmp_path / "a" / "drafter.json").read_text())["meta_digest"] != digest
+    res = adapt(dataclasses.replace(cfg, stop_after=None, resume=True))
+    assert res.steps == 4 and res.stopped_by == "budget"
+    wr, wb = (load_file(str(tmp_path / x / "drafter.safetensors")) for x in ("ref", "b"))
+    assert wr.keys() == wb.keys() and all(torch.equal(wr[k], wb[k]) for k in wr)
+    rec = json.loads((tmp_path / "b" / "drafter.json").read_text())["record"]
+    assert rec["init_drafter_digest"] == digest
+    shutil.rmtree(tmp_path / "a")  # and with no drafter left at that path, a stopped run still resumes
+    cfg2 = dataclasses.replace(cfg, out=str(tmp_path / "c"))
+    shutil.move(tmp_path / "a-moved", tmp_path / "a")
+    assert adapt(cfg2).stopped_by == "stop_after"
+    shutil.rmtree(tmp_path / "a")
+    res = adapt(dataclasses.replace(cfg2, stop_after=None, resume=True))
+    assert res.steps == 4
+    wc = load_file(str(tmp_path / "c" / "drafter.safetensors"))
+    assert all(torch.equal(wr[k], wc[k]) for k in wr)
+    assert json.loads((tmp_path / "c" / "drafter.json").read_text())["record"]["init_drafter_digest"] == digest
+
+
+def test_a_cache_dir_the_run_would_not_use_is_refused_not_ignored(tmp_path, capsys):
+    """`snlp adapt --cache-dir DIR` with a chat: part in --data and no --self-distill kept nothing there (a spec with a
+    chat part is rendered again on every run) and said nothing. Refused in one line before any work; with text parts
+    only it keeps the tokens there, and with --self-distill the base's replies."""
+    from snlp.apps.cli import main
+
+    base, text, chats = tiny_ckpt(tmp_path)
+    cache = tmp_path / "cache"
+    common = [str(base), "--plan", "2xF1-h0-K1", "--steps", "1", "--seq-len", "8", "--eval-every", "100",
+              "--eval-batches", "1", "--save-every", "0", "--no-progress", "--cache-dir", str(cache)]
+    capsys.readouterr()
+    for data in (f"chat:{chats}", f"{text},chat:{chats}"):
+        assert main(["adapt", *common, "--data", data, "--out", str(tmp_path / "a")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "--cache-dir" in err and "chat: parts" in err, err
+        assert not cache.exists() and not (tmp_path / "a").exists()
+    assert main(["adapt", *common, "--data", str(text), "--out", str(tmp_path / "t")]) == 0
+    assert [p.suffix for p in cache.iterdir()] == [".npz"]
+    assert main(["adapt", *common, "--data", f"chat:{chats}", "--self-distill", "4", "--out", str(tmp_path / "s")]) == 0
+    assert any(p.name.startswith("selfgen-") for p in cache.iterdir())
+
+
+def test_an_adapt_resume_refusal_says_a_flag_left_out_not_none(tmp_path):
+    """Resuming a run started without --init-drafter with one typed was refused as "--init-drafter None (not ...)"."""
+    import dataclasses
+
+    from snlp.train.adapt import adapt
+
+    adapt(adapt_cfg(tmp_path, out="a", steps=2))
+    cfg = adapt_cfg(tmp_path, out="b", steps=4, stop_after=2, save_every=2)
+    adapt(cfg)
+    with pytest.raises(ValueError) as e:
+        adapt(dataclasses.replace(cfg, stop_after=None, resume=True, init_drafter=str(tmp_path / "a")))
+    assert f"--init-drafter (not given) (not '{tmp_path / 'a'}')" in str(e.value) and "None" not in str(e.value)
+
+
+def test_the_logs_train_rows_name_the_kl_and_the_mse_not_a_regulariser(tmp_path):
+    """An adaptation's train rows logged its final-state MSE as `reg` beside `lambda: 0.0`, the pretraining
+    regulariser's keys (docs/training.md), for a term that is no regulariser and a weight that is none. They hold
+    `loss` (the KL term) and `mse`, step 1's the naive terms of the first batch on the unadapted drafter."""
+    from snlp.train.checkpointing import read_log
+    from snlp.train.adapt import adapt
+
+    cfg = adapt_cfg(tmp_path, steps=1, log_every=1, tau=1.5)
+    adapt(cfg)
+    rows = [r for r in read_log(tmp_path / "d" / "log.jsonl") if "loss" in r]
+    assert len(rows) == 1 and "mse" in rows[0] and "reg" not in rows[0] and "lambda" not in rows[0], rows
+    job, held, _ = build_job(adapt_cfg(tmp_path, out="fresh", steps=1, tau=1.5), dtype=torch.float32)
+    x, _ = job.batch(0, 0, 1)
+    kl, mse, n = naive_terms(held, x, None, 1.5)
+    assert n == x.numel()
+    assert abs(rows[0]["loss"] - kl) < 1e-5 * kl and abs(rows[0]["mse"] - mse) < 1e-5 * mse, (rows[0], kl, mse)

@@ -102,3 +102,77 @@ def test_a_learning_rate_float32_cannot_hold_is_refused_before_any_work(flag, co
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"{flag} 1e+39 is past float32's largest number" in err, err
     assert not out.exists() and not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("flags", [["--hc-lr", "0.1"], ["--hc-static"], ["--hc-static", "--hc-lr", "0.1"]])
+def test_mhc_flags_without_mhc_streams_are_refused_not_ignored(flags, corpus, tmp_path, capsys):
+    """--hc-lr and --hc-static set the mHC streams' H coefficients; without --hc-streams the model has none, and the
+    run trained the plain model and said nothing. Refused in one line before any work; with --hc-streams both run."""
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), "--data", str(corpus), "--cache-dir", str(cache), *TINY, *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--hc-streams" in err and flags[0] in err, err
+    assert not cache.exists() and not out.exists()
+    assert main(["train", "--out", str(out), "--data", str(corpus), "--cache-dir", str(cache), *TINY, *flags,
+                 "--hc-streams", "2"]) == 0
+    assert (out / "model.safetensors").is_file()
+
+
+def test_init_from_windows_past_the_checkpoints_context_are_refused(corpus, tmp_path, capsys):
+    """`snlp train --init-from CKPT --seq-len T` with T above CKPT's sequence_len trained windows of T positions,
+    while the fine-tuned model kept CKPT's context (its KV cache holds sequence_len positions): positions it never
+    decodes at, as `snlp adapt` refuses. Refused in one line before the data is read or --out written; the context
+    itself still trains."""
+    from snlp.io.checkpoint import load
+
+    cache = tmp_path / "cache"
+    assert main(["train", "--out", str(tmp_path / "base"), "--data", str(corpus), "--cache-dir", str(cache), *TINY]) == 0
+    ctx = load(tmp_path / "base")[0].config.sequence_len
+    assert ctx == 16
+    tune = ["train", "--init-from", str(tmp_path / "base"), "--data", str(corpus), "--cache-dir", str(cache),
+            "--batch-size", "2", "--steps", "1", "--eval-batches", "1", "--no-progress", "--device", "cpu"]
+    capsys.readouterr()
+    assert main([*tune, "--out", str(tmp_path / "ft"), "--seq-len", str(ctx + 1)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"exceeds the context of {tmp_path / 'base'} ({ctx} positions)" in err, err
+    assert not (tmp_path / "ft").exists()
+    assert main([*tune, "--out", str(tmp_path / "ft"), "--seq-len", str(ctx)]) == 0
+    assert load(tmp_path / "ft")[0].config.sequence_len == ctx
+
+
+def test_a_text_field_for_data_without_fields_is_refused_not_ignored(corpus, tmp_path, capsys):
+    """--text-field picks the text of .jsonl / .parquet rows and hf: datasets; with plain text files only it was
+    ignored and the run said nothing. Refused in one line before any work; with a .jsonl part beside the text it
+    reads that field."""
+    import json
+
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), "--data", str(corpus), "--cache-dir", str(cache), *TINY,
+                 "--text-field", "body"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--text-field" in err and "has none" in err, err
+    assert not cache.exists() and not out.exists()
+    rows = tmp_path / "rows.jsonl"
+    text = corpus.read_text()
+    rows.write_text("\n".join(json.dumps({"body": text[i:i + 3000]}) for i in range(0, 15_000, 3000)))
+    assert main(["train", "--out", str(out), "--data", f"{corpus},{rows}", "--cache-dir", str(cache), *TINY,
+                 "--text-field", "body"]) == 0
+
+
+def test_a_resume_refusal_names_settings_in_the_flags_terms():
+    """A resumed run typed with --freeze-prefix (no S) that was saved without it was refused as "--freeze-prefix None
+    (given: -1)": the field's internal values, which no flag takes. It now says what was typed."""
+    from dataclasses import asdict
+
+    from snlp.train.config import TrainConfig, check_resume_settings
+
+    saved = asdict(TrainConfig(out="x"))
+    with pytest.raises(ValueError) as e:
+        check_resume_settings(TrainConfig(out="x", resume=True, freeze_prefix=-1), saved, "x", reads_data=False)
+    said = str(e.value)
+    assert "--freeze-prefix (not given) (given: (without S: depth - max(--reg-n)))" in said, said
+    assert "None" not in said and "-1" not in said
+    with pytest.raises(ValueError, match=r"--freeze-prefix 2 \(given: \(not given\)\)"):
+        check_resume_settings(TrainConfig(out="x", resume=True), {**saved, "freeze_prefix": 2}, "x", reads_data=False)
