@@ -867,10 +867,10 @@ def test_a_late_stage_runs_smaller_and_the_record_says_so(tmp_path):
 
 def test_the_stage_table_marks_the_stages_at_their_floor(tmp_path):
     """The budget verdict says the stage table shows "which could shrink no further"; the table showed only what
-    shrank (prompts 8 -> 2 reads the same at the floor and above it, and early exit, which never shrinks, read '–'). Reference: fake costs whose floors are
-    written out here: 40 s left for three stages of 10 s fixed each puts all at their floors (min_scale 0.25 and
-    1.0), 130 s left runs them at scale 0.5, above the floor; the record (and its stored JSON, read back on a re-run) says
-    which, and the table's Shrunk cell marks exactly those."""
+    shrank (prompts 8 -> 2 reads the same at the floor and above it; early exit, which never shrinks, read '-').
+    Reference: fake costs whose floors are written out here: 40 s left for three stages of 10 s fixed each puts
+    all at their floors (min_scale 0.25 and 1.0), 130 s left runs them at scale 0.5, above the floor; the record
+    (and its stored JSON, read back on a re-run) says which, and the table's Shrunk cell marks exactly those."""
     from snlp.apps.report import _stage_times
     from snlp.bench.budget import StageCost, plan_budget
 
