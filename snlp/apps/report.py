@@ -1216,6 +1216,14 @@ def _diagnostics(ctx: dict) -> list[str]:
              for k, label in MODELS]]
 
 
+def _shrunk_cell(r: dict) -> str:
+    """The stage table's Shrunk cell: what the budget shrank, and whether the stage ran at its floor (the record's
+    `floor`: its cost model's min_scale), the one fact the budget verdict's "which could shrink no further" reads."""
+    if not r.get("floor"):
+        return r.get("shrunk") or "–"
+    return f"{r['shrunk']} (no further: its floor)" if r.get("shrunk") else "– (cannot shrink)"
+
+
 def _stage_times(ctx: dict) -> list[str]:
     st = ctx["stages"]
     # a run without a budget shrinks nothing: the column shows only where a budget was kept, this run's or the one
@@ -1234,7 +1242,7 @@ def _stage_times(ctx: dict) -> list[str]:
         late = (gap is not None and name.startswith("train-") and labels.get(name[6:]) == gap[0]
                 and len({t.get("finished") for t in trains}) == 1)
         out.append(f"| {name} | {'ran' if name in ctx['ran'] else 'reused'} | {planned} | {fmt_s(r['seconds'])} | "
-                   + (f"{r.get('shrunk') or '–'} | " if shrink else "") + f"{r.get('load_start')} → {r.get('load_end')}"
+                   + (f"{_shrunk_cell(r)} | " if shrink else "") + f"{r.get('load_start')} → {r.get('load_end')}"
                    + (f" (sampled at {gap[1]}'s end, {fmt_s(gap[2])} after its own)" if late else "") + " |")
     tr = [st[f"train-{k}"]["seconds"] for k, _ in MODELS]
     together = trained_together(ctx)  # a training reused beside one trained alone shares no time with it

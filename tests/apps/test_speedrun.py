@@ -865,6 +865,49 @@ def test_a_late_stage_runs_smaller_and_the_record_says_so(tmp_path):
     assert again.status == "reused" and len(calls) == 1 and again.shrunk == "prompts 8 -> 2"
 
 
+def test_the_stage_table_marks_the_stages_at_their_floor(tmp_path):
+    """The budget verdict says the stage table shows "which could shrink no further"; the table showed only what
+    shrank (prompts 8 -> 2 reads the same at the floor and above it; early exit, which never shrinks, read '-').
+    Reference: fake costs whose floors are written out here: 40 s left for three stages of 10 s fixed each puts
+    all at their floors (min_scale 0.25 and 1.0), 130 s left runs them at scale 0.5, above the floor; the record
+    (and its stored JSON, read back on a re-run) says which, and the table's Shrunk cell marks exactly those."""
+    from snlp.apps.report import _stage_times
+    from snlp.bench.budget import StageCost, plan_budget
+
+    def run(left, name, fn):
+        sr = _budgeted(tmp_path / str(left))()
+        sr.budget = plan_budget(600, [StageCost("eval-noreg", 10, 100, min_scale=0.25),
+                                      StageCost("early-exit", 10, 0, min_scale=1.0),
+                                      StageCost("ssd-noreg", 10, 100, min_scale=0.25)],
+                                fixed_s=0, min_train_s=60, margin=0.04)
+        sr.t_start = time.perf_counter() - (600 - 24 - left)
+        return sr.run_stage(name, "test", {"x": 1}, fn)
+
+    def prompts(scale):
+        return {"scale": scale}, f"prompts 8 -> {round(8 * scale)}"
+
+    low = run(40, "eval-noreg", prompts)  # 3 x 10 s fixed + 2 x 100 s x 0.25 = 80 s > 40 s: the floor
+    assert low.result["scale"] == 0.25 and low.floor is True
+    assert json.loads((tmp_path / "40" / "sr" / "stages" / "eval-noreg.json").read_text())["floor"] is True
+    fixed = run(40, "early-exit", lambda s: ({"scale": s}, ""))  # min_scale 1: nothing of it shrinks
+    high = run(130, "eval-noreg", prompts)  # 3 x 10 s + 2 x 100 s x 0.5 = 130 s: scale 0.5
+    assert 0.25 < high.result["scale"] < 1.0 and high.floor is False
+    rows = {}
+    for name, rec in (("eval-noreg", low), ("early-exit", fixed), ("ssd-noreg", high)):
+        rows[name] = {"seconds": 10.0, "planned": rec.planned, "shrunk": rec.shrunk, "floor": rec.floor,
+                      "load_start": 1.0, "load_end": 1.0}
+    ctx = _ctx(wall=30.0, budget_minutes=10.0)  # tokenizer and training rows, not budgeted stages
+    ctx["stages"].update(rows)
+    ctx["order"] = ctx["ran"] = ctx["order"] + list(rows)
+    table = {line.split(" | ")[0]: line for line in _stage_times(ctx) if line.startswith("| ")}
+    assert f"| {low.shrunk} (no further: its floor) |" in table["| eval-noreg"]
+    assert "| – (cannot shrink) |" in table["| early-exit"]
+    assert f"| {high.shrunk} |" in table["| ssd-noreg"] and "floor" not in table["| ssd-noreg"]
+    # a budget-less stage and an older record (no `floor`) mark nothing
+    old = {**ctx, "stages": {n: {**r, "floor": None} for n, r in ctx["stages"].items()}}
+    assert not [line for line in _stage_times(old) if line.startswith("| ") and ("floor" in line or "cannot" in line)]
+
+
 # ----- the budget's review (rev-speedrun): reuse, cost model vs knobs, fresh conversion, overrun, training floor
 
 # the probe of the recorded AVX2 run, and the lockstep pace its training kept (105 steps in 524 s)

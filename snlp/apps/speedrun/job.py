@@ -341,8 +341,10 @@ class Speedrun:
 
         def go():
             result, shrunk = fn(scale)
+            budgeted = plan.budget_s is not None
             self.stages.notes[name] = {"planned": plan.stages[name].planned_s, "shrunk": shrunk,
-                                       "scale": scale if plan.budget_s is not None else None}
+                                       "scale": scale if budgeted else None,
+                                       "floor": scale <= plan.stages[name].cost.min_scale if budgeted else None}
             if shrunk:
                 self.console.print(f"[yellow]{name}: shrunk to keep the budget[/yellow] (scale {scale:.2f}): {shrunk}")
             return result

@@ -93,6 +93,9 @@ class StageRecord:
     planned: float | None = None  # the seconds the budget planned for it when it started (snlp.bench.budget)
     shrunk: str = ""  # what the budget shrank to keep the total ("prompts 8 -> 5, ..."; "" = nothing)
     scale: float | None = None  # the budget's scale it ran at (None: not budgeted, or an older record)
+    # it ran at its cost model's min_scale, so nothing of it could shrink further (a stage whose min_scale is 1
+    # shrinks nothing: early exit); None: not budgeted, or an older record. The report's stage table marks it
+    floor: bool | None = None
     status: str = "ran"
 
     def to_json(self) -> dict:
@@ -107,7 +110,8 @@ class StageRecord:
         if not (isinstance(d, dict) and all(k in d for k in need)):
             return None
         return cls(**{k: d[k] for k in need}, load_start=d.get("load_start"), load_end=d.get("load_end"),
-                   planned=d.get("planned"), shrunk=d.get("shrunk", ""), scale=d.get("scale"), status="reused")
+                   planned=d.get("planned"), shrunk=d.get("shrunk", ""), scale=d.get("scale"), floor=d.get("floor"),
+                   status="reused")
 
 
 class Stages:
@@ -118,7 +122,7 @@ class Stages:
         self.t0 = time.perf_counter() if t0 is None else t0  # the run's clock (perf_counter at its start)
         self.records: dict[str, StageRecord] = {}  # this invocation's stages, in the order they finished
         self.running: dict[str, tuple[float, float | None]] = {}
-        self.notes: dict[str, dict] = {}  # name -> {"planned", "shrunk"}: the budget's, stored by finish
+        self.notes: dict[str, dict] = {}  # name -> {"planned", "shrunk", "scale", "floor"}: the budget's, by finish
 
     @property
     def ran(self) -> list[str]:
