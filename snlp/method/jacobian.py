@@ -26,9 +26,11 @@ Estimators (DiagN.estimator):
        relative: s = eps * max(RMS(x_token), 1) per token (RMS over the token's trailing dims), so
        eps means the same thing at layer 2 (RMS ~ 1) and at layer 30 (RMS ~ 100) and never falls
        below eps in absolute terms; dividing by the same per-token s keeps the estimator unbiased
-       for the diagonal. Low precision: eps is raised to sqrt(machine eps) of the compute dtype
-       (the autocast dtype under autocast): 0.088 for bf16, 0.031 for fp16, so a bf16 difference
-       is not pure rounding noise; fp32/fp64 keep DiagN.eps (default 1e-3).
+       for the diagonal. The step is at least sqrt(machine eps) of the compute dtype (the autocast
+       dtype under autocast), below which the difference is rounding noise: 0.088 for bf16, 0.031 for
+       fp16, 3.5e-4 for fp32, 1.5e-8 for fp64. The default eps (1e-3) is raised to it (bf16, fp16); an eps
+       written below it (eps:1e-5 on an fp32 model) is refused by the solve before it runs (`check_fd_step`),
+       as it would run as that floor under its own name.
   jvp  torch.func.jvp through chunk_forward (exact J v, one forward-mode pass for all probes).
        PyTorch has no forward AD for the fused SDPA kernels (CPU flash, CUDA flash/efficient), so
        the JVP runs under `sdpa_kernel(SDPBackend.MATH)` (the composite math attention, which
@@ -66,6 +68,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from snlp.method.fusion import ChunkWeights, chunk_forward, window_fields
 from snlp.model.ops import jvp_flops_tally
+from snlp.runtime.fmt import format_number
 if TYPE_CHECKING:  # annotations only: plan.py imports the surrogates, which import this module
     from snlp.method.plan import Plan
 
@@ -88,6 +91,36 @@ def row_probes(P: int, x: Tensor, gen: torch.Generator | None = None, chunks: in
     return rademacher((P, C, 1, *x.shape[2:]), x, gen).expand(P, C, *x.shape[1:]).contiguous()
 
 
+def compute_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
+    """The dtype the chunk forward computes in: the autocast dtype where autocast is on, else `dtype`."""
+    if dtype.is_floating_point and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return dtype
+
+
+def fd_floor(dtype: torch.dtype) -> float:
+    """The smallest relative FD step the diag:fd estimator takes in compute dtype `dtype`: sqrt(machine eps)."""
+    return torch.finfo(dtype).eps ** 0.5
+
+
+def check_fd_step(plan: "Plan", dtype: torch.dtype, device_type: str) -> None:
+    """Refuse a diag:fd plan whose written eps lies below the FD step floor of the compute dtype (`fd_floor`): the
+    estimator would run with the floor under the plan's name (on fp32, eps:1e-5 and eps:1e-4 were one computation).
+    The default eps is left to be raised (bf16, fp16), as the module docstring says."""
+    sur = plan.surrogate
+    default = {f.name: f.default for f in dataclasses.fields(sur)}.get("eps") if dataclasses.is_dataclass(sur) else None
+    if getattr(sur, "estimator", None) != "fd" or sur.eps == default:
+        return
+    cd = compute_dtype(dtype, device_type)
+    floor = fd_floor(cd)
+    if sur.eps < floor:
+        least = float(f"{floor * (1 + 1e-3):.3g}")  # 3 digits, rounded up: a value the check takes
+        raise ValueError(f"plan {plan}: eps:{format_number(sur.eps)} is below the smallest FD step of the compute "
+                         f"dtype {str(cd).replace('torch.', '')} (sqrt of its machine epsilon, {floor:.3g}), which "
+                         f"diag:fd would take instead: write eps:{least:g} or more, drop eps, or run the model in a "
+                         f"wider dtype")
+
+
 def fd_step(x: Tensor, eps: float, token_dims: int = 0) -> Tensor:
     """FD step s = eps' * max(RMS, 1), RMS over the trailing dims after the first `token_dims` dims
     of x (one step per token; token_dims = 0: one RMS over all of x). Broadcasts against x.
@@ -95,10 +128,7 @@ def fd_step(x: Tensor, eps: float, token_dims: int = 0) -> Tensor:
     when autocast is on (bf16 training: eps' ~ 0.09), else x's dtype (fp32/fp64: eps' = eps)."""
     flat = x.flatten(token_dims) if token_dims else x.reshape(1, -1)
     rms = flat.float().pow(2).mean(-1).sqrt().clamp_min(1.0).to(x.dtype)
-    dtype = x.dtype
-    if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
-    eps = max(float(eps), torch.finfo(dtype).eps ** 0.5)
+    eps = max(float(eps), fd_floor(compute_dtype(x.dtype, x.device.type)))
     return eps * rms.view(*x.shape[:token_dims], *[1] * (x.dim() - token_dims))
 
 

@@ -48,6 +48,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from snlp.method.surrogates import DiagN, Iterate
 from snlp.method.fusion import ChunkWeights, chunk_forward, chunk_weights, full_causal
+from snlp.method.jacobian import check_fd_step
 from snlp.runtime.checks import check_bools
 from snlp.model.gpt import GPT, check_gpt, check_keep
 from snlp.method.plan import Plan
@@ -189,6 +190,7 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
     check_bools(keep_states=keep_states, check_finite=check_finite)
     plan = as_plan(model, plan)
     check_preheat(plan, preheat, model, verify_weights=False)  # the fingerprint is checked once, by bind
+    check_fd_step(plan, model.wte.weight.dtype, model.wte.weight.device.type)  # an eps the FD step cannot take
     if prefix is not None and cache is not None:
         raise ValueError("solve(prefix=..., cache=...): a precomputed prefix state skips the prefix layers, so "
                          "their K/V would never reach the cache while it advances; pass one or the other")

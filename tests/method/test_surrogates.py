@@ -118,6 +118,32 @@ def test_fd_step_is_relative_per_token_and_floored():
         assert S.fd_step(x.float(), 1e-3, 1)[1, 0] == pytest.approx(torch.finfo(torch.bfloat16).eps ** 0.5)
 
 
+
+def test_an_fd_eps_below_the_dtype_floor_is_refused_not_raised_silently():
+    """diag:fd takes at least sqrt(machine eps) of the compute dtype as its step: on an fp32 model eps:1e-5 and
+    eps:1e-4 both ran with 3.45e-4 under their own names (one computation, two plans). A written eps below the floor
+    is refused before the solve runs; at or above it, and the default (raised in bf16 by design), run as before."""
+    m32 = make_model(seed=1, n_layer=4, dtype=torch.float32)
+    idx = tokens(m32)
+    floor = torch.finfo(torch.float32).eps ** 0.5
+    with torch.no_grad():
+        for eps in ("1e-5", "1e-4"):
+            with pytest.raises(ValueError, match=r"eps:(1e-05|0.0001) is below the smallest FD step of the compute dtype "
+                                                 r"float32 .*write eps:0.000346 or more"):
+                solve(m32, idx, f"3xF1-h0-K2-diag-eps:{eps}")
+        at = solve(m32, idx, "3xF1-h0-K2-diag-eps:0.000346").hidden  # the suggested value runs
+        assert torch.isfinite(at).all()
+        solve(m32, idx, "3xF1-h0-K2-diag")  # the default, and the estimators that never read eps, run
+        solve(m32, idx, "3xF1-h0-K2-diag:jvp")
+        m64 = make_model(seed=1, n_layer=4)  # fp64's floor is 1.5e-8: eps:1e-5 is a step it takes
+        small, big = (solve(m64, idx, f"3xF1-h0-K2-diag-eps:{e}").hidden for e in ("1e-5", "1e-3"))
+        assert not torch.equal(small, big)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the compute dtype decides: bf16's floor is 0.088
+            with pytest.raises(ValueError, match=r"compute dtype bfloat16"):
+                solve(m32, idx, "3xF1-h0-K2-diag-eps:0.01")
+    assert S.fd_floor(torch.float32) == pytest.approx(floor)
+
+
 def _chunk_setup(seed=2, C=3):
     model = make_model(seed=seed, n_layer=C + 1, n_embd=8, n_head=2, n_kv_head=1)
     idx = tokens(model, B=1, T=3)
