@@ -253,8 +253,12 @@ def _plain(obj, clone: bool, skip: tuple[str, ...] = ("cache",)):
 
 
 def _probe_weights(w: ChunkWeights, chunks: list[int], clone: bool) -> ChunkWeights:
-    """select_chunks + _plain, cached on the weight set (a weight set never changes: `chunk_weights`
-    builds a new one when a parameter changes, and rebuilds it on every call under autograd)."""
+    """select_chunks + _plain, cached on the weight set (a weight set built by `chunk_weights` never changes: a new
+    one is built when a parameter changes, and on every call under autograd). Shared weights (`views`) change with
+    the parameters in place (an edit through `.data` moves no counter, so no rebuild follows): a gathered or cloned
+    copy of them would keep the old values, so it is made afresh on every call instead."""
+    if w.views and (clone or list(chunks) != list(range(w.chunks))):
+        return _plain(select_chunks(w, chunks), clone)
     store = w.__dict__.setdefault("_snlp_probe_weights", {})
     key = (tuple(chunks), clone)
     if key not in store:
