@@ -1,8 +1,8 @@
 """DiagN and exact-Newton corrections (paper Sec. "Structured Surrogates", Algorithm "DiagN Inference
 with Associative Scan", App. "Diagonal-Jacobian Correction Results").
 
-`solver._delta` calls the two entry points once per iteration, after the batched chunk forward
-tilde = F(inputs):
+The DiagN and Newton surrogates (snlp.method.surrogates: `DiagN.local_map`, `Newton.delta`) call the two entry
+points once per iteration, after the batched chunk forward tilde = F(inputs):
 
   diag_jacobian(w, inputs, tilde, ctx, plan, gen) -> a   (C, B, T, ..., D)
       Hutchinson estimate a_c ~ diag(J_c), J_c = dF_c/dx at the chunk's current input, averaged
@@ -12,7 +12,7 @@ tilde = F(inputs):
   newton_delta(w, inputs, b, ctx, plan, prev) -> d        (C, B, T, ..., D)
       Exact Newton over depth (DEER): d_c = (1 - elk) J_c(inputs_c) e_{c-1} + b_c (e: the predecessor's
       most recent update, this sweep's or, for chunks visited first, the previous sweep's) with J_c e
-      from one forward-mode JVP of chunk c alone. This is a Python loop over chunks (C sequential
+      from one forward-mode JVP of chunk c alone. This is a Python loop over chunks (C - 1 sequential
       JVPs): the reference solver for small models, not a fast path.
 
 What "diagonal" means. F_c maps the chunk input of ALL positions (B, T, ..., D) to its output;

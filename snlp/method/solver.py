@@ -15,8 +15,9 @@ Writing d_c = h_c^{(k+1)} - h_c^{(k)} turns the correction into the linear recur
 where a_c is the surrogate A_c times the link factor (the ELK factor 1 - elk where linked, else 0)
 and a'_c the surrogate times the lag factor (1 - elk where lagged, else 0); forward order has no
 lagged chunk, so its recurrence (and result, bit for bit) is the plain one:
-  - idn: a_c = 1. Forward order is a prefix sum over chunks (cumsum); otherwise one (C x 2C)
-    transfer-matrix contraction of [b; d^{(k-1)}].
+  - idn: A_c = 1, so a_c is the link factor. Forward order without ELK (a_c = 1) is a prefix sum over chunks
+    (cumsum); with ELK one (C x C) transfer-matrix contraction of b; with lagged chunks one (C x 2C)
+    contraction of [b; d^{(k-1)}] (surrogates.scalar_correct).
   - none (Jacobi): a_c = 0, h^{(k+1)} = tilde.
   - hcn: a_c = the chunk's H_res product over the mHC streams at the current iterate (returned by
     the chunk forward); solved by a matrix associative scan (snlp.method.scan).
