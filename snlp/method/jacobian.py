@@ -183,13 +183,26 @@ class ReadOnlyCache:
     def __init__(self, cache, layers: Tensor | None = None, repeat: int = 1):
         self.cache, self.layers, self.repeat = cache, layers, repeat
 
-    def write(self, layers, k: Tensor, v: Tensor, start: int) -> tuple[Tensor, Tensor]:
+    def write(self, layers, k: Tensor, v: Tensor, start: int | Tensor) -> tuple[Tensor, Tensor]:
         sel = self.layers if self.layers is not None else layers
+        if isinstance(start, Tensor):  # positions: (T,) (the static-shape step) or (B, T) (a ragged batched call)
+            return self._put(self.cache.k[sel], k, start), self._put(self.cache.v[sel], v, start)
         old_k, old_v = self.cache.k[sel][..., :start, :], self.cache.v[sel][..., :start, :]
         if self.repeat > 1:
             rep = (1, self.repeat) + (1,) * (old_k.dim() - 2)
             old_k, old_v = old_k.repeat(rep), old_v.repeat(rep)
         return torch.cat([old_k.to(k.dtype), k], -2), torch.cat([old_v.to(v.dtype), v], -2)
+
+    def _put(self, slot: Tensor, new: Tensor, pos: Tensor) -> Tensor:
+        """What KVCache.write returns for a positions tensor, without writing: the whole slot (n, B, Hkv, max_len,
+        hd) (batch repeated for the probes) with `new` (n, B', Hkv, T, hd) at positions `pos`, out of place."""
+        out = slot.to(new.dtype).repeat(1, self.repeat, *[1] * (slot.dim() - 2))  # a copy: the cache stays as it is
+        if pos.dim() == 1:  # (T,): every row at the same positions
+            out[..., pos, :] = new
+        else:  # (B', T): row b at pos[b] (a probe-stacked call's positions are repeated with its rows already)
+            rows = torch.arange(pos.shape[0], device=pos.device)[:, None]  # (B', 1)
+            out[:, rows, :, pos, :] = new.permute(1, 3, 0, 2, 4)  # indexed dims first: (B', T, n, Hkv, hd)
+        return out
 
     def __getattr__(self, name):
         return getattr(self.cache, name)
@@ -268,11 +281,15 @@ def _probe_weights(w: ChunkWeights, chunks: list[int], clone: bool) -> ChunkWeig
 
 def repeat_context(ctx, P: int):
     """Context for a batch stacked P times (batch index p*B + b): x0/idx repeat along dim 0, the
-    value embeddings (n_ve, B, ...) along dim 1; derived caches are dropped."""
+    value embeddings (n_ve, B, ...) along dim 1; derived caches are dropped. A ragged call's per-row facts repeat
+    with the rows: its (B, T) positions, their RoPE tables (B, T, 1, hd/2) and the real-token mask (B, T)."""
     if P == 1:
         return ctx
     rep = lambda t, dim: None if t is None else t.repeat(*[P if i == dim else 1 for i in range(t.dim())])  # noqa: E731
-    return dataclasses.replace(ctx, idx=rep(ctx.idx, 0), x0=rep(ctx.x0, 0), ve=rep(ctx.ve, 1), extra={})
+    rows = isinstance(ctx.start, Tensor) and ctx.start.dim() == 2  # per-row positions: RoPE tables per row too
+    return dataclasses.replace(ctx, idx=rep(ctx.idx, 0), x0=rep(ctx.x0, 0), ve=rep(ctx.ve, 1), extra={},
+                               start=rep(ctx.start, 0) if rows else ctx.start, real=rep(ctx.real, 0),
+                               cos=rep(ctx.cos, 0) if rows else ctx.cos, sin=rep(ctx.sin, 0) if rows else ctx.sin)
 
 
 def chunk_probe_map(w: ChunkWeights, ctx, cache=None, layers: Tensor | None = None, P: int = 1) -> ProbeFn:
