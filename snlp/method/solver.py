@@ -310,6 +310,8 @@ class Runner:
         check_bools(check_finite=check_finite, share_weights=share_weights)
         self.model, self.plan, self.check_finite = model, as_plan(model, plan), check_finite
         self.preheat, self.share_weights = preheat, share_weights
+        w = model.wte.weight  # a diag:fd eps this model's dtype cannot take is refused before the weights are fused
+        check_fd_step(self.plan, w.dtype, w.device.type)
         if share_weights:
             check_shareable(model, self.plan.fuse)
         self.refresh()

@@ -13,7 +13,7 @@ from conftest import make_model, tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from snlp import DiagN, Plan, fused_forward, parallel_forward, solve
+from snlp import DiagN, Plan, bind, fused_forward, parallel_forward, solve
 from snlp.method import jacobian as S
 from snlp.model.cache import KVCache, RowPositions
 from snlp.apps.cli import main
@@ -128,9 +128,10 @@ def test_an_fd_eps_below_the_dtype_floor_is_refused_not_raised_silently():
     floor = torch.finfo(torch.float32).eps ** 0.5
     with torch.no_grad():
         for eps in ("1e-5", "1e-4"):
-            with pytest.raises(ValueError, match=r"eps:(1e-05|0.0001) is below the smallest FD step of the compute dtype "
-                                                 r"float32 .*write eps:0.000346 or more"):
-                solve(m32, idx, f"3xF1-h0-K2-diag-eps:{eps}")
+            for run in (lambda p: solve(m32, idx, p), lambda p: bind(m32, p)):  # bind refuses before fusing weights
+                with pytest.raises(ValueError, match=r"eps:(1e-05|0.0001) is below the smallest FD step of the "
+                                                     r"compute dtype float32 .*write eps:0.000346 or more"):
+                    run(f"3xF1-h0-K2-diag-eps:{eps}")
         at = solve(m32, idx, "3xF1-h0-K2-diag-eps:0.000346").hidden  # the suggested value runs
         assert torch.isfinite(at).all()
         solve(m32, idx, "3xF1-h0-K2-diag")  # the default, and the estimators that never read eps, run
