@@ -123,6 +123,8 @@ class ChunkWeights:
     mlp_in: Tensor | None = None  # (C, 1, D) post-attention RMSNorm weights likewise (snlp.method.sharing)
     window_values: tuple[int, ...] | None = None  # the C*M branches' windows as host ints (None: all full)
     window_groups: tuple | None = None  # snlp.model.ops.window_groups(window_values): prefill attention by window
+    views: bool = False  # every tensor is a view of the model's own parameters (snlp.method.sharing): in-place edits
+    #                      of the parameters reach these weights, and any copy derived from them must not be kept
 
     @property
     def chunks(self) -> int:

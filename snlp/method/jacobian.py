@@ -1,8 +1,8 @@
 """DiagN and exact-Newton corrections (paper Sec. "Structured Surrogates", Algorithm "DiagN Inference
 with Associative Scan", App. "Diagonal-Jacobian Correction Results").
 
-`solver._delta` calls the two entry points once per iteration, after the batched chunk forward
-tilde = F(inputs):
+The DiagN and Newton surrogates (snlp.method.surrogates: `DiagN.local_map`, `Newton.delta`) call the two entry
+points once per iteration, after the batched chunk forward tilde = F(inputs):
 
   diag_jacobian(w, inputs, tilde, ctx, plan, gen) -> a   (C, B, T, ..., D)
       Hutchinson estimate a_c ~ diag(J_c), J_c = dF_c/dx at the chunk's current input, averaged
@@ -12,7 +12,7 @@ tilde = F(inputs):
   newton_delta(w, inputs, b, ctx, plan, prev) -> d        (C, B, T, ..., D)
       Exact Newton over depth (DEER): d_c = (1 - elk) J_c(inputs_c) e_{c-1} + b_c (e: the predecessor's
       most recent update, this sweep's or, for chunks visited first, the previous sweep's) with J_c e
-      from one forward-mode JVP of chunk c alone. This is a Python loop over chunks (C sequential
+      from one forward-mode JVP of chunk c alone. This is a Python loop over chunks (C - 1 sequential
       JVPs): the reference solver for small models, not a fast path.
 
 What "diagonal" means. F_c maps the chunk input of ALL positions (B, T, ..., D) to its output;
@@ -26,9 +26,11 @@ Estimators (DiagN.estimator):
        relative: s = eps * max(RMS(x_token), 1) per token (RMS over the token's trailing dims), so
        eps means the same thing at layer 2 (RMS ~ 1) and at layer 30 (RMS ~ 100) and never falls
        below eps in absolute terms; dividing by the same per-token s keeps the estimator unbiased
-       for the diagonal. Low precision: eps is raised to sqrt(machine eps) of the compute dtype
-       (the autocast dtype under autocast): 0.088 for bf16, 0.031 for fp16, so a bf16 difference
-       is not pure rounding noise; fp32/fp64 keep DiagN.eps (default 1e-3).
+       for the diagonal. The step is at least sqrt(machine eps) of the compute dtype (the autocast
+       dtype under autocast), below which the difference is rounding noise: 0.088 for bf16, 0.031 for
+       fp16, 3.5e-4 for fp32, 1.5e-8 for fp64. The default eps (1e-3) is raised to it (bf16, fp16); an eps
+       written below it (eps:1e-5 on an fp32 model) is refused by the solve before it runs (`check_fd_step`),
+       as it would run as that floor under its own name.
   jvp  torch.func.jvp through chunk_forward (exact J v, one forward-mode pass for all probes).
        PyTorch has no forward AD for the fused SDPA kernels (CPU flash, CUDA flash/efficient), so
        the JVP runs under `sdpa_kernel(SDPBackend.MATH)` (the composite math attention, which
@@ -66,6 +68,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from snlp.method.fusion import ChunkWeights, chunk_forward, window_fields
 from snlp.model.ops import jvp_flops_tally
+from snlp.runtime.fmt import format_number
 if TYPE_CHECKING:  # annotations only: plan.py imports the surrogates, which import this module
     from snlp.method.plan import Plan
 
@@ -88,6 +91,36 @@ def row_probes(P: int, x: Tensor, gen: torch.Generator | None = None, chunks: in
     return rademacher((P, C, 1, *x.shape[2:]), x, gen).expand(P, C, *x.shape[1:]).contiguous()
 
 
+def compute_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
+    """The dtype the chunk forward computes in: the autocast dtype where autocast is on, else `dtype`."""
+    if dtype.is_floating_point and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return dtype
+
+
+def fd_floor(dtype: torch.dtype) -> float:
+    """The smallest relative FD step the diag:fd estimator takes in compute dtype `dtype`: sqrt(machine eps)."""
+    return torch.finfo(dtype).eps ** 0.5
+
+
+def check_fd_step(plan: "Plan", dtype: torch.dtype, device_type: str) -> None:
+    """Refuse a diag:fd plan whose written eps lies below the FD step floor of the compute dtype (`fd_floor`): the
+    estimator would run with the floor under the plan's name (on fp32, eps:1e-5 and eps:1e-4 were one computation).
+    The default eps is left to be raised (bf16, fp16), as the module docstring says."""
+    sur = plan.surrogate
+    default = {f.name: f.default for f in dataclasses.fields(sur)}.get("eps") if dataclasses.is_dataclass(sur) else None
+    if getattr(sur, "estimator", None) != "fd" or sur.eps == default:
+        return
+    cd = compute_dtype(dtype, device_type)
+    floor = fd_floor(cd)
+    if sur.eps < floor:
+        least = float(f"{floor * (1 + 1e-3):.3g}")  # 3 digits, rounded up: a value the check takes
+        raise ValueError(f"plan {plan}: eps:{format_number(sur.eps)} is below the smallest FD step of the compute "
+                         f"dtype {str(cd).replace('torch.', '')} (sqrt of its machine epsilon, {floor:.3g}), which "
+                         f"diag:fd would take instead: write eps:{least:g} or more, drop eps, or run the model in a "
+                         f"wider dtype")
+
+
 def fd_step(x: Tensor, eps: float, token_dims: int = 0) -> Tensor:
     """FD step s = eps' * max(RMS, 1), RMS over the trailing dims after the first `token_dims` dims
     of x (one step per token; token_dims = 0: one RMS over all of x). Broadcasts against x.
@@ -95,10 +128,7 @@ def fd_step(x: Tensor, eps: float, token_dims: int = 0) -> Tensor:
     when autocast is on (bf16 training: eps' ~ 0.09), else x's dtype (fp32/fp64: eps' = eps)."""
     flat = x.flatten(token_dims) if token_dims else x.reshape(1, -1)
     rms = flat.float().pow(2).mean(-1).sqrt().clamp_min(1.0).to(x.dtype)
-    dtype = x.dtype
-    if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
-    eps = max(float(eps), torch.finfo(dtype).eps ** 0.5)
+    eps = max(float(eps), fd_floor(compute_dtype(x.dtype, x.device.type)))
     return eps * rms.view(*x.shape[:token_dims], *[1] * (x.dim() - token_dims))
 
 
@@ -153,13 +183,26 @@ class ReadOnlyCache:
     def __init__(self, cache, layers: Tensor | None = None, repeat: int = 1):
         self.cache, self.layers, self.repeat = cache, layers, repeat
 
-    def write(self, layers, k: Tensor, v: Tensor, start: int) -> tuple[Tensor, Tensor]:
+    def write(self, layers, k: Tensor, v: Tensor, start: int | Tensor) -> tuple[Tensor, Tensor]:
         sel = self.layers if self.layers is not None else layers
+        if isinstance(start, Tensor):  # positions: (T,) (the static-shape step) or (B, T) (a ragged batched call)
+            return self._put(self.cache.k[sel], k, start), self._put(self.cache.v[sel], v, start)
         old_k, old_v = self.cache.k[sel][..., :start, :], self.cache.v[sel][..., :start, :]
         if self.repeat > 1:
             rep = (1, self.repeat) + (1,) * (old_k.dim() - 2)
             old_k, old_v = old_k.repeat(rep), old_v.repeat(rep)
         return torch.cat([old_k.to(k.dtype), k], -2), torch.cat([old_v.to(v.dtype), v], -2)
+
+    def _put(self, slot: Tensor, new: Tensor, pos: Tensor) -> Tensor:
+        """What KVCache.write returns for a positions tensor, without writing: the whole slot (n, B, Hkv, max_len,
+        hd) (batch repeated for the probes) with `new` (n, B', Hkv, T, hd) at positions `pos`, out of place."""
+        out = slot.to(new.dtype).repeat(1, self.repeat, *[1] * (slot.dim() - 2))  # a copy: the cache stays as it is
+        if pos.dim() == 1:  # (T,): every row at the same positions
+            out[..., pos, :] = new
+        else:  # (B', T): row b at pos[b] (a probe-stacked call's positions are repeated with its rows already)
+            rows = torch.arange(pos.shape[0], device=pos.device)[:, None]  # (B', 1)
+            out[:, rows, :, pos, :] = new.permute(1, 3, 0, 2, 4)  # indexed dims first: (B', T, n, Hkv, hd)
+        return out
 
     def __getattr__(self, name):
         return getattr(self.cache, name)
@@ -223,8 +266,12 @@ def _plain(obj, clone: bool, skip: tuple[str, ...] = ("cache",)):
 
 
 def _probe_weights(w: ChunkWeights, chunks: list[int], clone: bool) -> ChunkWeights:
-    """select_chunks + _plain, cached on the weight set (a weight set never changes: `chunk_weights`
-    builds a new one when a parameter changes, and rebuilds it on every call under autograd)."""
+    """select_chunks + _plain, cached on the weight set (a weight set built by `chunk_weights` never changes: a new
+    one is built when a parameter changes, and on every call under autograd). Shared weights (`views`) change with
+    the parameters in place (an edit through `.data` moves no counter, so no rebuild follows): a gathered or cloned
+    copy of them would keep the old values, so it is made afresh on every call instead."""
+    if w.views and (clone or list(chunks) != list(range(w.chunks))):
+        return _plain(select_chunks(w, chunks), clone)
     store = w.__dict__.setdefault("_snlp_probe_weights", {})
     key = (tuple(chunks), clone)
     if key not in store:
@@ -234,11 +281,15 @@ def _probe_weights(w: ChunkWeights, chunks: list[int], clone: bool) -> ChunkWeig
 
 def repeat_context(ctx, P: int):
     """Context for a batch stacked P times (batch index p*B + b): x0/idx repeat along dim 0, the
-    value embeddings (n_ve, B, ...) along dim 1; derived caches are dropped."""
+    value embeddings (n_ve, B, ...) along dim 1; derived caches are dropped. A ragged call's per-row facts repeat
+    with the rows: its (B, T) positions, their RoPE tables (B, T, 1, hd/2) and the real-token mask (B, T)."""
     if P == 1:
         return ctx
     rep = lambda t, dim: None if t is None else t.repeat(*[P if i == dim else 1 for i in range(t.dim())])  # noqa: E731
-    return dataclasses.replace(ctx, idx=rep(ctx.idx, 0), x0=rep(ctx.x0, 0), ve=rep(ctx.ve, 1), extra={})
+    rows = isinstance(ctx.start, Tensor) and ctx.start.dim() == 2  # per-row positions: RoPE tables per row too
+    return dataclasses.replace(ctx, idx=rep(ctx.idx, 0), x0=rep(ctx.x0, 0), ve=rep(ctx.ve, 1), extra={},
+                               start=rep(ctx.start, 0) if rows else ctx.start, real=rep(ctx.real, 0),
+                               cos=rep(ctx.cos, 0) if rows else ctx.cos, sin=rep(ctx.sin, 0) if rows else ctx.sin)
 
 
 def chunk_probe_map(w: ChunkWeights, ctx, cache=None, layers: Tensor | None = None, P: int = 1) -> ProbeFn:

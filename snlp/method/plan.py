@@ -68,13 +68,14 @@ class Plan:
         problems = []
         if not isinstance(self.causal, bool):
             problems.append(f"causal must be True or False (got {self.causal!r})")
-        if not isinstance(self.chunks, int) or self.chunks < 1:
+        # bool is an int: Plan(chunks=True) ran as 1 chunk under the name 'TruexF1-h0-K1', which Plan.parse refuses
+        if not _integer(self.chunks) or self.chunks < 1:
             problems.append(f"chunks C must be an integer >= 1 (got {self.chunks!r})")
-        if not isinstance(self.fuse, int) or self.fuse < 1:
+        if not _integer(self.fuse) or self.fuse < 1:
             problems.append(f"fused layers per chunk M must be an integer >= 1 (got {self.fuse!r})")
         if self.init not in INITS:
             problems.append(f"unknown init {self.init!r}: valid inits are {', '.join(INITS)}")
-        if not isinstance(self.iters, int) or self.iters < 0:
+        if not _integer(self.iters) or self.iters < 0:
             problems.append(f"iterations K must be an integer >= 0 (got {self.iters!r})")
         if isinstance(self.surrogate, str):
             sur = parse_surrogate(self.surrogate)
@@ -88,7 +89,7 @@ class Plan:
         if not _finite(self.elk) or not 0.0 <= float(self.elk) < 1.0:
             problems.append(f"ELK damping must lie in [0, 1) (got {self.elk})")
         order_ok = True
-        if self.order is not None and isinstance(self.chunks, int):
+        if self.order is not None and _integer(self.chunks):
             if sorted(self.order) != list(range(self.chunks)):
                 order_ok = False
                 problems.append(f"order {'.'.join(map(str, self.order))} must be a permutation of "
@@ -107,7 +108,7 @@ class Plan:
                 problems.append("a correction order sets which update of its predecessor each chunk's correction reads, "
                                 "and the none surrogate (Jacobi, A = 0) makes no correction: drop order, or use a "
                                 "surrogate that corrects (idn)")
-        if isinstance(self.surrogate, Surrogate) and isinstance(self.chunks, int):
+        if isinstance(self.surrogate, Surrogate) and _integer(self.chunks):
             problems += self.surrogate.check(self)
             if isinstance(self.surrogate, DiagN) and self.surrogate.subset == tuple(range(self.chunks)):
                 # every chunk is the default (the same probe draw, the same solve): one plan, one name
@@ -450,7 +451,15 @@ def _number(text: str) -> float | None:
         return None
 
 
+def _integer(x) -> bool:
+    """An int that is not a bool (True would run as 1 and print as 'True' in the plan's name)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _finite(x) -> bool:
+    """A finite real number; a bool is not one (tol=True ran as tol:1 and elk=False as no damping)."""
+    if isinstance(x, bool):
+        return False
     try:
         return math.isfinite(float(x))
     except (TypeError, ValueError):

@@ -177,7 +177,7 @@ def share_chunk_weights(model: GPT, start: int, chunks: int, causal: bool = Fals
         q_norm=row("q_norm") if cfg.qk_norm == "weighted" else qk_scale_rows(cfg, C, 1, h["qkv"]),
         k_norm=row("k_norm") if cfg.qk_norm == "weighted" else qk_scale_rows(cfg, C, 1, h["qkv"]),
         swiglu_dim=h["proj"].shape[-1] if cfg.mlp_act == "swiglu" else 0, ve_scale=cfg.ve_gate_scale,
-        attn_in=row("attn_in"), mlp_in=row("mlp_in"))
+        attn_in=row("attn_in"), mlp_in=row("mlp_in"), views=True)
 
 
 def shared_tensors(model: GPT, w: ChunkWeights) -> list[tuple[str, Tensor | None, Tensor | None]]:

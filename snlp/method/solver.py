@@ -15,8 +15,9 @@ Writing d_c = h_c^{(k+1)} - h_c^{(k)} turns the correction into the linear recur
 where a_c is the surrogate A_c times the link factor (the ELK factor 1 - elk where linked, else 0)
 and a'_c the surrogate times the lag factor (1 - elk where lagged, else 0); forward order has no
 lagged chunk, so its recurrence (and result, bit for bit) is the plain one:
-  - idn: a_c = 1. Forward order is a prefix sum over chunks (cumsum); otherwise one (C x 2C)
-    transfer-matrix contraction of [b; d^{(k-1)}].
+  - idn: A_c = 1, so a_c is the link factor. Forward order without ELK (a_c = 1) is a prefix sum over chunks
+    (cumsum); with ELK one (C x C) transfer-matrix contraction of b; with lagged chunks one (C x 2C)
+    contraction of [b; d^{(k-1)}] (surrogates.scalar_correct).
   - none (Jacobi): a_c = 0, h^{(k+1)} = tilde.
   - hcn: a_c = the chunk's H_res product over the mHC streams at the current iterate (returned by
     the chunk forward); solved by a matrix associative scan (snlp.method.scan).
@@ -48,6 +49,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from snlp.method.surrogates import DiagN, Iterate
 from snlp.method.fusion import ChunkWeights, chunk_forward, chunk_weights, full_causal
+from snlp.method.jacobian import check_fd_step
 from snlp.runtime.checks import check_bools
 from snlp.model.gpt import GPT, check_gpt, check_keep
 from snlp.method.plan import Plan
@@ -189,6 +191,7 @@ def solve(model: GPT, idx: Tensor, plan: Plan | str, keep_states: bool = False,
     check_bools(keep_states=keep_states, check_finite=check_finite)
     plan = as_plan(model, plan)
     check_preheat(plan, preheat, model, verify_weights=False)  # the fingerprint is checked once, by bind
+    check_fd_step(plan, model.wte.weight.dtype, model.wte.weight.device.type)  # an eps the FD step cannot take
     if prefix is not None and cache is not None:
         raise ValueError("solve(prefix=..., cache=...): a precomputed prefix state skips the prefix layers, so "
                          "their K/V would never reach the cache while it advances; pass one or the other")
@@ -307,6 +310,8 @@ class Runner:
         check_bools(check_finite=check_finite, share_weights=share_weights)
         self.model, self.plan, self.check_finite = model, as_plan(model, plan), check_finite
         self.preheat, self.share_weights = preheat, share_weights
+        w = model.wte.weight  # a diag:fd eps this model's dtype cannot take is refused before the weights are fused
+        check_fd_step(self.plan, w.dtype, w.device.type)
         if share_weights:
             check_shareable(model, self.plan.fuse)
         self.refresh()

@@ -2,6 +2,7 @@
 full-width digits), and a K beyond the iteration count from which the plan is exact is capped with a warning
 (K = 10**9 used to be accepted and never return)."""
 
+import re
 import warnings
 
 import pytest
@@ -187,3 +188,21 @@ def test_every_entry_point_names_a_plan_that_is_neither_a_string_nor_a_plan():
                 call(bad)
     with pytest.raises(ValueError, match="plans must be a list of plans"):
         snlp.evaluate(m, torch.arange(200) % 61, 5)
+
+
+@pytest.mark.parametrize("field,value,says", [("chunks", True, "chunks C must be an integer >= 1 (got True)"),
+                                              ("fuse", True, "fused layers per chunk M must be an integer >= 1"),
+                                              ("iters", True, "iterations K must be an integer >= 0 (got True)"),
+                                              ("iters", False, "iterations K must be an integer >= 0 (got False)"),
+                                              ("tol", True, "tol must be a finite number >= 0"),
+                                              ("elk", False, "ELK damping must lie in [0, 1) (got False)")])
+def test_a_bool_is_not_a_count_or_a_number(field, value, says):
+    """bool is an int in Python: Plan(chunks=True) ran one chunk under the name 'TruexF1-h0-K1' and iters=True as
+    'KTrue', names Plan.parse refuses, and tol=True ran as tol:1; each is refused in one line like any bad value."""
+    kw = {"chunks": 2, field: value}
+    with pytest.raises(ValueError, match=re.escape(says)):
+        Plan(**kw)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        Plan(chunks=2).with_(**{field: value})
+    good = Plan(**{**kw, field: 1 if field != "elk" else 0.0})  # the int it stood for is a plan whose name parses
+    assert Plan.parse(str(good)) == good

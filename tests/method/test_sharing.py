@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import make_model, tokens
 
-from snlp import bind, load, save_checkpoint, sequential_generate, speculative_generate
+from snlp import bind, load, parallel_forward, save_checkpoint, sequential_generate, speculative_generate
 from snlp.io.hf import config_from_hf
 from snlp.method.sharing import shares_storage, shared_tensors
 from snlp.model.gpt import GPT
@@ -146,6 +146,23 @@ def test_every_tensor_a_shared_runner_reads_follows_an_in_place_update_of_every_
             p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.2)
         for r in runners:  # no refresh
             torch.testing.assert_close(r(idx), _fresh(m, r.plan, idx), rtol=1e-10, atol=1e-10, msg=str(r.plan))
+
+
+@pytest.mark.parametrize("plan", ["4xF1-h0-K2-diag-subset:1.2", "4xF1-h0-K2-diag:vjp-subset:1.3"])
+def test_a_diag_subset_on_shared_weights_follows_a_data_edit(plan):
+    """An edit through `.data` moves no version counter, so the runner is not rebuilt; shared weights follow it
+    through their views (bind's docstring). The DiagN probe pass of a subset ran on a gathered copy of the subset's
+    weights cached on the weight set, so it kept the old values: Δlogit 6.7 against a fresh solve. Both the plain
+    and the inference-mode call equal a fresh unshared parallel_forward of the edited model (fp64)."""
+    m = _model()
+    idx = tokens(m, T=6)
+    r = bind(m, plan, share_weights=True)
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            r(idx)  # the probe weights of the subset exist now
+            m.blocks[2].mlp.c_fc.weight.data.mul_(1.5)  # layer 2 is chunk 1 of the 4-layer suffix: in the subset
+            want = parallel_forward(m, idx, plan)
+            torch.testing.assert_close(r(idx), want, rtol=1e-9, atol=1e-9)
 
 
 def test_two_shared_runners_over_different_suffixes_follow_an_optimizer_step():

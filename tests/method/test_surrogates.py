@@ -13,9 +13,9 @@ from conftest import make_model, tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from snlp import DiagN, Plan, fused_forward, parallel_forward, solve
+from snlp import DiagN, Plan, bind, fused_forward, parallel_forward, solve
 from snlp.method import jacobian as S
-from snlp.model.cache import KVCache
+from snlp.model.cache import KVCache, RowPositions
 from snlp.apps.cli import main
 from snlp.method.fusion import chunk_forward, chunk_weights
 from snlp.method.scan import affine_scan, sequential_scan, transfer_blocks, transfer_scan
@@ -116,6 +116,33 @@ def test_fd_step_is_relative_per_token_and_floored():
     assert s.shape == (2, 1) and s[0, 0] == pytest.approx(0.1) and s[1, 0] == pytest.approx(1e-3)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # low-precision compute: step raised to sqrt(machine eps)
         assert S.fd_step(x.float(), 1e-3, 1)[1, 0] == pytest.approx(torch.finfo(torch.bfloat16).eps ** 0.5)
+
+
+
+def test_an_fd_eps_below_the_dtype_floor_is_refused_not_raised_silently():
+    """diag:fd takes at least sqrt(machine eps) of the compute dtype as its step: on an fp32 model eps:1e-5 and
+    eps:1e-4 both ran with 3.45e-4 under their own names (one computation, two plans). A written eps below the floor
+    is refused before the solve runs; at or above it, and the default (raised in bf16 by design), run as before."""
+    m32 = make_model(seed=1, n_layer=4, dtype=torch.float32)
+    idx = tokens(m32)
+    floor = torch.finfo(torch.float32).eps ** 0.5
+    with torch.no_grad():
+        for eps in ("1e-5", "1e-4"):
+            for run in (lambda p: solve(m32, idx, p), lambda p: bind(m32, p)):  # bind refuses before fusing weights
+                with pytest.raises(ValueError, match=r"eps:(1e-05|0.0001) is below the smallest FD step of the "
+                                                     r"compute dtype float32 .*write eps:0.000346 or more"):
+                    run(f"3xF1-h0-K2-diag-eps:{eps}")
+        at = solve(m32, idx, "3xF1-h0-K2-diag-eps:0.000346").hidden  # the suggested value runs
+        assert torch.isfinite(at).all()
+        solve(m32, idx, "3xF1-h0-K2-diag")  # the default, and the estimators that never read eps, run
+        solve(m32, idx, "3xF1-h0-K2-diag:jvp")
+        m64 = make_model(seed=1, n_layer=4)  # fp64's floor is 1.5e-8: eps:1e-5 is a step it takes
+        small, big = (solve(m64, idx, f"3xF1-h0-K2-diag-eps:{e}").hidden for e in ("1e-5", "1e-3"))
+        assert not torch.equal(small, big)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the compute dtype decides: bf16's floor is 0.088
+            with pytest.raises(ValueError, match=r"compute dtype bfloat16"):
+                solve(m32, idx, "3xF1-h0-K2-diag-eps:0.01")
+    assert S.fd_floor(torch.float32) == pytest.approx(floor)
 
 
 def _chunk_setup(seed=2, C=3):
@@ -342,6 +369,43 @@ def test_cached_decoding_with_K_ge_C_equals_the_sequential_model(plan):
         cache = KVCache.for_model(model, batch=2, max_len=12)
         got = _decode_in_pieces(model, idx, plan, [3, 6, 7, 8], cache)
     assert (got - ref).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("plan", ["3xF1-h0-K2-diag:jvp-probes:2", "3xF1-h0-K2-diag:vjp-subset:1",
+                                  "3xF1-h0-K2-diag:fd", "2xF2-fwd-K1-newton"])
+def test_probes_and_jvps_read_the_cache_at_a_positions_tensor(plan):
+    """A decode step may place its tokens by a positions tensor (solve's pos=: (T,) for the static-shape step,
+    RowPositions (B, T) for a ragged call). The probe / JVP passes read the cache through a stand-in that sliced
+    [:start] with start an int, and a (T,) or (B, T) tensor failed with "only integer tensors of a single element
+    can be converted to an index" after the prefix and the first forward had run. The outside reference: each row
+    decoded alone, its cache prefilled with its own tokens, its step placed by the int cache length (seek)."""
+    model = make_model(seed=4, n_layer=5, window_pattern="SL", short_window=2)
+    idx = tokens(model, B=2, T=8)
+    lens = (5, 4)  # row b's tokens before the step; the step decodes 2 more
+    with torch.no_grad():
+        want = []
+        for b, n in enumerate(lens):  # every prefill is 5 tokens long (DiagN's probe draw depends on T)
+            c = _prefilled(model, idx[b:b + 1, :5], plan)
+            c.seek(n)
+            want.append(solve(model, idx[b:b + 1, n:n + 2], plan, cache=c).hidden)
+        step = torch.stack([idx[b, n:n + 2] for b, n in enumerate(lens)])  # (2, 2)
+        for pos in (torch.tensor([[5, 6], [4, 5]]), "static"):
+            cache = KVCache.for_model(model, batch=2, max_len=12)
+            if pos == "static":  # (T,): both rows at positions 5, 6 (both prefilled with 5 tokens)
+                solve(model, idx[:, :5], plan, cache=cache)
+                got = solve(model, idx[:, 5:7], plan, cache=cache, pos=torch.tensor([5, 6])).hidden
+                ref = solve(model, idx[1:2, 5:7], plan, cache=_prefilled(model, idx[1:2, :5], plan)).hidden
+                torch.testing.assert_close(got, torch.cat([want[0], ref]), rtol=1e-9, atol=1e-9)
+                continue
+            solve(model, idx[:, :5], plan, cache=cache)  # row 1's position 4 is overwritten by its step
+            got = solve(model, step, plan, cache=cache, pos=RowPositions(pos, span=7)).hidden
+            torch.testing.assert_close(got, torch.cat(want), rtol=1e-9, atol=1e-9)
+
+
+def _prefilled(model, ids, plan):
+    c = KVCache.for_model(model, batch=1, max_len=12)
+    solve(model, ids, plan, cache=c)
+    return c
 
 
 class _SpyCache(KVCache):
