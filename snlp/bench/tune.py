@@ -803,8 +803,9 @@ def table(result: TuneResult, goal: str, measured_only: bool = True) -> list[str
              _f(c.tokens_per_round, ".2f"), {None: "–", True: "yes", False: "NO"}[c.matches_sequential]] for c in rows]
     lines = markdown_table(cols, body)
     if any(c.measured and c.round_speedups and paired_verdict(c.round_speedups)[0] == "tie" for c in rows):
+        # meas x is the median of the paired ratios (measure_ssd / measure_snlp), not a ratio of two medians
         lines.append(tie_footnote(result.config.repeats, "meas x", "sequential ms/token over this candidate's in the "
-                                  "same round, every prompt decoded by both"))
+                                  "same round, every prompt decoded by both", of_medians=False))
     return lines
 
 
