@@ -20,7 +20,7 @@ from snlp import __version__
 from snlp.bench.stats import SIGN_LEVEL, fewest_sign_rounds, sign_test_p, sign_test_wins, t_quantile, tie_mark
 from snlp.bench.tune import PREDICTION_TIE
 from snlp.eval.metrics import implied_beta
-from snlp.runtime.fmt import fmt_delta_ppl, fmt_ppl, matches, ppl_from_ce
+from snlp.runtime.fmt import fmt_delta_ppl, fmt_ppl, fmt_share, matches, ppl_from_ce
 
 def details(summary: str, text: str) -> str:
     """`text` folded under a one-line `summary` (an HTML <details> block, which GitHub and most markdown viewers
@@ -112,7 +112,8 @@ MODELS = (("noreg", "No Reg."), ("idn", "IDN Reg."))
 
 
 def _pct(x, digits=1):
-    return "-" if x is None else f"{100 * x:.{digits}f}%"
+    """A share (Top-1, AR Match) as a percentage, never rounded onto 100 % or 0 % from inside (fmt_share)."""
+    return fmt_share(x, digits)
 
 
 def _num(x, fmt="{:.3f}"):
@@ -351,10 +352,10 @@ def ppl_rule(evals: dict[str, list]) -> str:
 def _ar_cells(r) -> tuple[str, str]:
     """(AR Match against the sequential model with β̂, the fused-model agreement apart: only for fused plans, whose
     paper reference is the same fused model run sequentially, named in the cell)."""
-    ar = "-" if r.ar_match is None else f"{100 * r.ar_match:.1f}% ({implied_beta(r.ar_match, r.gen_tokens or 1):.3f})"
+    ar = "-" if r.ar_match is None else f"{_pct(r.ar_match)} ({implied_beta(r.ar_match, r.gen_tokens or 1):.3f})"
     fused = ("–" if (r.M or 1) == 1 or r.ar_match_fused is None else
              "= itself (K = C)" if r.ar_fused_reference == r.plan else
-             f"{100 * r.ar_match_fused:.1f}% vs `{r.ar_fused_reference}`")
+             f"{_pct(r.ar_match_fused)} vs `{r.ar_fused_reference}`")
     return ar, fused
 
 

@@ -66,6 +66,19 @@ def fmt_delta_ppl(d, resolved: bool = False) -> str:
     return f"{d:+.1%}"
 
 
+def fmt_share(x, digits: int = 1, sep: str = "") -> str:
+    """A share of positions in [0, 1] (Top-1, AR Match) as a percentage with `digits` decimals ('93.3%'), '-' for
+    None / NaN; a share strictly between 0 and 1 gets as many more decimals as keep it off '100.0%' and '0.0%'
+    (0.99951 -> '99.95%'): a plan that disagrees with sequential at 1 of 2,048 positions printed '100.0%', the cell
+    of sequential itself and of an exact plan. `sep` goes between the number and '%' (' %' in some tables)."""
+    if _missing(x):
+        return MISSING
+    d = digits
+    while 0.0 < x < 1.0 and f"{100 * x:.{d}f}" in (f"{100:.{d}f}", f"{0:.{d}f}") and d < 12:
+        d += 1
+    return f"{100 * x:.{d}f}{sep}%"
+
+
 def ppl_from_ce(ce: float) -> float:
     """exp(cross-entropy) as a PPL, inf instead of OverflowError for a CE above ~709 (an early or
     diverged training run), so the PPL formatter can say 'diverged' instead of the report crashing."""
