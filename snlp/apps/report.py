@@ -20,7 +20,7 @@ from snlp import __version__
 from snlp.bench.stats import SIGN_LEVEL, fewest_sign_rounds, sign_test_p, sign_test_wins, t_quantile, tie_mark
 from snlp.bench.tune import PREDICTION_TIE
 from snlp.eval.metrics import implied_beta
-from snlp.runtime.fmt import fmt_delta_ppl, fmt_ppl, fmt_share, matches, ppl_from_ce
+from snlp.runtime.fmt import fmt_delta_ppl, fmt_fraction, fmt_ppl, fmt_share, matches, ppl_from_ce
 
 def details(summary: str, text: str) -> str:
     """`text` folded under a one-line `summary` (an HTML <details> block, which GitHub and most markdown viewers
@@ -1114,7 +1114,7 @@ def _tune_section(ssd: dict[str, dict], ctx: dict) -> list[str]:
         for j, r in enumerate(ssd[key].get("tune", [])):
             meas = r["measured"]
             lines.append(f"| {label if j == 0 else ''} | {'> ' if r['pick'] else ''}`{r['plan']}` | {r['block']} | "
-                         f"{_num(r['top1'])} | {_num(r['accept_alpha'])} | {_num(r['s'], '{:.2f}x')} | "
+                         f"{fmt_fraction(r['top1'])} | {fmt_fraction(r['accept_alpha'])} | {_num(r['s'], '{:.2f}x')} | "
                          f"{_num(r['ideal_ssd_speedup'], '{:.3f}x')} | {_num(r['predicted_tokens_per_round'], '{:.2f}')} | "
                          f"{_num(r['predicted_speedup'], '{:.3f}x')} | "
                          f"{_num(r['tokens_per_round'], '{:.2f}') + _round_cap(ssd[key], r) if meas else '–'} | "

@@ -537,3 +537,16 @@ def test_the_tie_footnote_says_what_meas_x_is_the_median_of_the_paired_rounds(mo
     (note,) = [line for line in table(r, "ssd") if line.startswith("(tie)")]
     assert "ratio of the two medians" not in note and "says so beside it" not in note, note
     assert "each meas x is the median of those paired ratios" in note, note
+
+
+def test_a_top1_or_alpha_below_one_never_prints_as_one(model):
+    """tune's table printed a Top-1 of 0.99951 (one position in 2,048 differs) as "1.000", the cell of an exact
+    plan; the cell now keeps the decimals that hold it below 1, and an exact 1.0 stays "1.000"."""
+    from snlp.bench.tune import _result
+
+    a = _cand("2xF1-h0-K1", [1.4, 1.5, 1.6, 1.45, 1.55, 1.5])
+    a.top1, a.accept_alpha, a.alpha = 2047 / 2048, 0.99961, 1.0
+    row = next(line for line in table(_result(model, TuneConfig(), [], [], [], [a], 0.0, 0.0), "ssd")
+               if "2xF1-h0-K1" in line)
+    cells = [c.strip() for c in row.split("|")]
+    assert cells[6] == "0.9995" and cells[10] == "0.9996" and cells[18] == "1.000", cells
