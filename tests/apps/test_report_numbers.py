@@ -3,8 +3,6 @@ the report code): each test builds the smallest records that reach the sentence.
 
 import re
 
-import pytest
-
 from snlp.apps.report import model_gap
 from snlp.eval.protocol import EvalRecord
 
