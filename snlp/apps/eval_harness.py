@@ -113,7 +113,7 @@ def run(args) -> int:
 
     try:
         from snlp.eval.harness import (SNLPLM, evaluate_methods, generation_note, load_any, markdown, model_arg,
-                                       print_table, task_manager)
+                                       print_table, task_manager, value_caption)
     except ImportError as e:
         if getattr(e, "name", None) and e.name.split(".")[0] == "lm_eval":
             raise ValueError("--harness needs lm-evaluation-harness: pip install -e '.[harness]' (or pip install "
@@ -215,7 +215,7 @@ def run(args) -> int:
                                fewshot_seed=args.fewshot_seed, bootstrap_iters=args.bootstrap_iters, tm=tm,
                                on_record=lambda records: write(records, complete=False))
     note = generation_note(lms, records)
-    print_table(records, title, caption="value ± the harness's stderr" + (f"; {note}" if note else ""))
+    print_table(records, title, caption=value_caption(records) + (f"; {note}" if note else ""))
     write(records, complete=True)
     for path in [out / method_file(r.method) for r in records] + ([args.json] if args.json else []):
         print(f"wrote {path}")

@@ -61,7 +61,7 @@ from snlp.method.solver import bind, preheat_for
 from snlp.model.cache import KVCache
 from snlp.model.gpt import GPT
 from snlp.runtime.device import progress_bar
-from snlp.runtime.fmt import DELTA_RATIO, fmt_delta_ppl
+from snlp.runtime.fmt import DELTA_RATIO, fmt_delta_ppl, fmt_fraction
 from snlp.runtime.timing import round_order, time_round_robin
 
 GOALS = ("ssd", "snlp")
@@ -794,17 +794,18 @@ def table(result: TuneResult, goal: str, measured_only: bool = True) -> list[str
     cols = ["", "plan", "B", "thr", "comp", "Top-1", "dPPL", "s", "paper ideal", "calib alpha", "pred tok/rnd",
             "pred x", "pred tok/s", "meas s", "meas x", "noise", "tok/s", "alpha", "meas tok/rnd", "= seq"]
     body = [[("> " if c is pick else "") + ("*" if c.shortlisted else "") + ("P" if id(c) in front else ""),
-             f"`{c.plan}`", _f(c.block, "d"), str(c.threads), "yes" if c.compiled else "no", _f(c.top1, ".3f"),
-             dppl_cell(c.delta_ppl), f"{c.s:.2f}", _f(c.ideal_ssd_speedup, ".2f"), _f(c.accept_alpha, ".3f"),
+             f"`{c.plan}`", _f(c.block, "d"), str(c.threads), "yes" if c.compiled else "no", fmt_fraction(c.top1),
+             dppl_cell(c.delta_ppl), f"{c.s:.2f}", _f(c.ideal_ssd_speedup, ".2f"), fmt_fraction(c.accept_alpha),
              _f(c.predicted_tokens_per_round, ".2f"), f"{c.predicted_speedup:.2f}", f"{c.predicted_tokens_per_s:.0f}",
              _f(c.measured_s, ".2f"), _f(c.measured_speedup, ".2f") + tie_mark(c.round_speedups),
              "–" if c.noise is None else f"±{c.noise:.1%}",
-             _f(c.tokens_per_s, ".0f"), _f(c.alpha, ".3f"),
+             _f(c.tokens_per_s, ".0f"), fmt_fraction(c.alpha),
              _f(c.tokens_per_round, ".2f"), {None: "–", True: "yes", False: "NO"}[c.matches_sequential]] for c in rows]
     lines = markdown_table(cols, body)
     if any(c.measured and c.round_speedups and paired_verdict(c.round_speedups)[0] == "tie" for c in rows):
+        # meas x is the median of the paired ratios (measure_ssd / measure_snlp), not a ratio of two medians
         lines.append(tie_footnote(result.config.repeats, "meas x", "sequential ms/token over this candidate's in the "
-                                  "same round, every prompt decoded by both"))
+                                  "same round, every prompt decoded by both", of_medians=False))
     return lines
 
 

@@ -921,6 +921,16 @@ def markdown(records: list[HarnessRecord]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def value_caption(records: list[HarnessRecord]) -> str:
+    """What the table's cells hold: "value ± the harness's stderr" only where some cell has a stderr; with
+    bootstrap_iters 0 (or a metric the harness gives none) the cells are bare values, and the caption said "±"
+    beside none."""
+    if any(isinstance(v, (int, float)) for r in records if not r.diverged for d in r.results.values()
+           for k, v in d.items() if "_stderr," in k):
+        return "value ± the harness's stderr"
+    return "value (the harness gave no stderr: --bootstrap-iters 0, or metrics it gives none)"
+
+
 def print_table(records: list[HarnessRecord], title: str, caption: str | None = None) -> None:
     from rich.console import Console
     from rich.table import Table

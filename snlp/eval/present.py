@@ -8,14 +8,14 @@ from pathlib import Path
 
 from snlp.eval.protocol import EvalRecord
 from snlp.runtime.device import write_atomic
-from snlp.runtime.fmt import fmt_delta_ppl, fmt_ppl
+from snlp.runtime.fmt import fmt_delta_ppl, fmt_ppl, fmt_share
 
 COLUMNS = (  # (header, field, format string or formatter) of the tables; PPL / ΔPPL: snlp.runtime.fmt's rule
     ("Plan", "plan", "{}"), ("K", "K", "{}"), ("PPL", "ppl", fmt_ppl), ("ΔPPL", "delta_ppl", fmt_delta_ppl),
     ("Speedup", "speedup", "{:.2f}x"), ("Prefill", "prefill_speedup", "{:.2f}x"),
-    ("Ideal (layers)", "ideal_layer_speedup", "{:.2f}x"), ("Top-1", "top1", "{:.1%}"),
-    ("LogitSim", "logit_sim", "{:.3f}"), ("EmbSim", "emb_sim", "{:.3f}"), ("AR Match", "ar_match", "{:.1%}"),
-    ("β̂", "ar_beta", "{:.3f}"), ("AR Match vs fused", "ar_match_fused", "{:.1%}"))
+    ("Ideal (layers)", "ideal_layer_speedup", "{:.2f}x"), ("Top-1", "top1", fmt_share),
+    ("LogitSim", "logit_sim", "{:.3f}"), ("EmbSim", "emb_sim", "{:.3f}"), ("AR Match", "ar_match", fmt_share),
+    ("β̂", "ar_beta", "{:.3f}"), ("AR Match vs fused", "ar_match_fused", fmt_share))
 # AR Match and β̂ are against the sequential model in every row; a fused plan's agreement with the same fused model
 # run sequentially (the paper's reference for M > 1) has its own column, shown only when a record has it. β̂ to three
 # decimals: from a few hundred greedy tokens its third decimal is already noise.

@@ -66,6 +66,27 @@ def fmt_delta_ppl(d, resolved: bool = False) -> str:
     return f"{d:+.1%}"
 
 
+def fmt_share(x, digits: int = 1, sep: str = "") -> str:
+    """A share of positions in [0, 1] (Top-1, AR Match) as a percentage with `digits` decimals ('93.3%'), '-' for
+    None / NaN; a share strictly between 0 and 1 gets as many more decimals as keep it off '100.0%' and '0.0%'
+    (0.99951 -> '99.95%'): a plan that disagrees with sequential at 1 of 2,048 positions printed '100.0%', the cell
+    of sequential itself and of an exact plan. `sep` goes between the number and '%' (' %' in some tables)."""
+    return MISSING if _missing(x) else _inside(100 * x, 100.0, digits) + f"{sep}%"
+
+
+def fmt_fraction(x, digits: int = 3) -> str:
+    """A share in [0, 1] as a fraction ('0.961'), by fmt_share's rule: 0.99951 prints '0.9995', not '1.000'."""
+    return MISSING if _missing(x) else _inside(x, 1.0, digits)
+
+
+def _inside(x: float, top: float, digits: int) -> str:
+    """x in [0, top] with `digits` decimals, more where fewer would round a value strictly inside onto an end."""
+    d = digits
+    while 0.0 < x < top and f"{x:.{d}f}" in (f"{top:.{d}f}", f"{0:.{d}f}") and d < 12:
+        d += 1
+    return f"{x:.{d}f}"
+
+
 def ppl_from_ce(ce: float) -> float:
     """exp(cross-entropy) as a PPL, inf instead of OverflowError for a CE above ~709 (an early or
     diverged training run), so the PPL formatter can say 'diverged' instead of the report crashing."""

@@ -93,16 +93,20 @@ def tie_mark(ratios: list[float] | None, value: float | None = None) -> str:
     return ""
 
 
-def tie_footnote(rounds: int, ratio: str = "speedup", pairing: str = "one call of each per round") -> str:
+def tie_footnote(rounds: int, ratio: str = "speedup", pairing: str = "one call of each per round",
+                 of_medians: bool = True) -> str:
     """The line under a table whose paired ratios carry "(tie)": the rule, and how many rounds can resolve one (with
     `rounds` of them: the fewest wins; below fewest_sign_rounds never), and what a resolved ratio on the other side of
-    1.00x from its rounds is marked (tie_mark)."""
+    1.00x from its rounds is marked (tie_mark). `of_medians` False: the printed ratio is the median of the paired
+    ratios themselves, which lies on the side of 1.00x that most rounds took, so no such mark can occur and the line
+    says what the ratio is instead."""
     need, k = fewest_sign_rounds(), sign_test_wins(rounds)
     can = (f"{rounds} round{' never resolves' if rounds == 1 else 's never resolve'} one ({need} of {need} at the fewest), so every "
            f"{ratio} here is marked (tie)" if k is None else
            f"{rounds} rounds resolve one at {k} of {rounds} won one way ({need} of {need} at the fewest rounds); "
-           f"a {ratio} (a ratio of the two medians) whose rounds resolve it on the other side of 1.00x says so "
-           f"beside it, e.g. ({k} of {rounds} rounds below 1.00x)")
+           + (f"a {ratio} (a ratio of the two medians) whose rounds resolve it on the other side of 1.00x says so "
+              f"beside it, e.g. ({k} of {rounds} rounds below 1.00x)" if of_medians else
+              f"each {ratio} is the median of those paired ratios"))
     return (f"(tie): not told from 1.00x by this run: the paired per-round ratios behind the {ratio} ({pairing}) do "
             f"not resolve it by a two-sided sign test at {SIGN_LEVEL * 100:g} %; {can}")
 

@@ -520,3 +520,33 @@ def test_the_json_says_whether_each_pick_was_a_tie(grid):
     assert set(d["pick_tie"]) == set(d["pick_rule"]) and d["pick_tie"]
     for g, rule in d["pick_rule"].items():
         assert d["pick_tie"][g] is rule.startswith("tie:")
+
+
+def test_the_tie_footnote_says_what_meas_x_is_the_median_of_the_paired_rounds(model):
+    """The tune table's footnote called every `meas x` "a ratio of the two medians" and promised a mark where its
+    rounds resolve the other side of 1.00x; tune's meas x is the median of the paired per-round ratios (recomputed
+    here from the rounds the JSON keeps), which lies on the side most rounds took, so no such mark is ever printed.
+    The line now says what the column is."""
+    from snlp.bench.tune import _result
+
+    a = _cand("2xF1-h0-K1", [0.8, 1.2, 1.1, 0.9, 1.3, 0.7], pred=1.1)  # 3 of 6: a tie
+    b = _cand("4xF1-h0-K1", [1.4, 1.5, 1.6, 1.45, 1.55, 1.5], pred=1.0)  # 6 of 6 faster: resolved
+    r = _result(model, TuneConfig(), [], [], [], [a, b], 0.0, 0.0)
+    for c in (a, b):
+        assert c.measured_speedup == statistics.median(c.round_speedups)
+    (note,) = [line for line in table(r, "ssd") if line.startswith("(tie)")]
+    assert "ratio of the two medians" not in note and "says so beside it" not in note, note
+    assert "each meas x is the median of those paired ratios" in note, note
+
+
+def test_a_top1_or_alpha_below_one_never_prints_as_one(model):
+    """tune's table printed a Top-1 of 0.99951 (one position in 2,048 differs) as "1.000", the cell of an exact
+    plan; the cell now keeps the decimals that hold it below 1, and an exact 1.0 stays "1.000"."""
+    from snlp.bench.tune import _result
+
+    a = _cand("2xF1-h0-K1", [1.4, 1.5, 1.6, 1.45, 1.55, 1.5])
+    a.top1, a.accept_alpha, a.alpha = 2047 / 2048, 0.99961, 1.0
+    row = next(line for line in table(_result(model, TuneConfig(), [], [], [], [a], 0.0, 0.0), "ssd")
+               if "2xF1-h0-K1" in line)
+    cells = [c.strip() for c in row.split("|")]
+    assert cells[6] == "0.9995" and cells[10] == "0.9996" and cells[18] == "1.000", cells

@@ -720,6 +720,27 @@ def test_the_title_names_the_limit_that_runs(tasks, tmp_path, capsys):
     assert json.loads((out / "sequential.json").read_text())["config"]["limit"] == 2
 
 
+def test_the_caption_promises_a_stderr_only_where_a_cell_has_one(tasks, tmp_path, capsys):
+    """With --bootstrap-iters 0 the harness gives no stderr (its JSON: "N/A"), every cell is a bare value, and the
+    printed caption said "value ± the harness's stderr" beside them; it now says the cells hold no stderr."""
+    from snlp.io.checkpoint import save_checkpoint
+
+    tok = Tokenizer.train(["Question: which cat sat on the mat? Answer: the cat. a dog ran in the park. " * 4], 300)
+    ckpt = save_checkpoint(tmp_path / "tiny", make_model(vocab_size=tok.vocab_size, n_layer=2, dtype=torch.float32,
+                                                         sequence_len=256), tokenizer=tok)
+    out = tmp_path / "out"
+    assert main(["eval", str(ckpt), "--harness", "snlp_arc_tiny", "--harness-include", str(tasks), "--limit", "2",
+                 "--num-fewshot", "0", "--harness-out", str(out), "--device", "cpu", "--bootstrap-iters", "0"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    res = json.loads((out / "sequential.json").read_text())["results"]["snlp_arc_tiny"]
+    assert res["acc_stderr,none"] == "N/A" and " ± " not in (out / "table.md").read_text()
+    assert "± the harness's stderr" not in printed and "the harness gave no stderr" in printed, printed
+    from snlp.eval.harness import HarnessRecord, value_caption
+
+    with_se = HarnessRecord("sequential", {"t": {"acc,none": 0.5, "acc_stderr,none": 0.1}})
+    assert value_caption([with_se]) == "value ± the harness's stderr"
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(plan=APPROX), dict(plan=APPROX, decode="speculative", block=3),
                                 dict(plan="4xF1-h0-K1-diag")])  # DiagN: one prompt at a time
 def test_generation_stops_decoding_at_a_stop_string(base, monkeypatch, kw):

@@ -27,7 +27,7 @@ def test_selfcheck_cli_on_cpu(tmp_path, capsys):
     assert {r["plan"] for r in rec["forward"]} >= {"sequential"} and all(r["median_ms"] > 0 for r in rec["forward"])
     assert {r["mode"] for r in rec["decode"]} == {"sequential", "snlp", "speculative"}
     assert all(r["matches_sequential"] for r in rec["decode"])  # greedy decoding of every mode == sequential
-    assert "ALL CHECKS PASSED" in out and out.count("PASS ") == 8
+    assert "ALL CHECKS THAT RAN PASSED (8 of 9; not run: compiled == eager)" in out and out.count("PASS ") == 8
 
 
 def test_a_failed_check_fails_the_run():
@@ -37,6 +37,20 @@ def test_a_failed_check_fails_the_run():
     assert not res.passed
     lines = table(res)
     assert any(line.startswith("FAIL  b") for line in lines) and lines[-1].startswith("SOME CHECKS FAILED")
+
+
+def test_a_skipped_check_is_not_reported_as_passed():
+    """With the compiled check off (the CPU default) the last line said "ALL CHECKS PASSED" of a run in which one
+    check never ran; it now says how many ran and names the one that did not, and "ALL CHECKS PASSED" stays for a
+    run in which every check ran and passed."""
+    def last(checks):
+        return table(SelfcheckResult(device="cpu", device_name="x", versions={"torch": "t", "cuda": None}, config={},
+                                     checks=checks))[-1]
+
+    line = last([Check("a", True, "", 0.0), Check("compiled == eager", None, "skipped (--compile off)", 0.0)])
+    assert not line.startswith("ALL CHECKS PASSED"), line
+    assert line.startswith("ALL CHECKS THAT RAN PASSED (1 of 2; not run: compiled == eager)"), line
+    assert last([Check("a", True, "", 0.0), Check("b", True, "", 0.0)]).startswith("ALL CHECKS PASSED in ")
 
 
 def test_the_speed_rows_say_how_many_runs_they_are_and_flag_a_speedup_above_its_ideal():
