@@ -143,7 +143,11 @@ stop() {  # a signal to the script: the running part's whole process group stops
   STOPPED=$1
   echo "campaign: SIG$1: stopping${PART_PID:+ the running part (process group $PART_PID)}; no part runs after it" |
     tee -a "$LOG"
-  if [ -n "$PART_PID" ]; then kill -TERM -- "-$PART_PID" 2>/dev/null; fi  # timeout sends SIGKILL 10 s later
+  stop_part
+}
+stop_part() {  # the running part's process group (timeout sends SIGKILL 10 s later); a part whose timeout has not made
+  # its group yet (setpgid, its first step) is sent the signal alone, before it starts anything
+  if [ -n "$PART_PID" ]; then kill -TERM -- "-$PART_PID" 2>/dev/null || kill -TERM "$PART_PID" 2>/dev/null; fi
 }
 trap 'stop INT' INT; trap 'stop TERM' TERM; trap 'stop HUP' HUP
 
@@ -167,6 +171,9 @@ part() {  # part NAME SECONDS CMD...: run one part under its limit; its status g
   # `wait` returns early on each signal, so it is repeated until the part has exited
   timeout --kill-after=10 "$secs" "$@" >>"$LOG" 2>&1 &
   PART_PID=$!
+  # a signal after the STOPPED check above (while the lines before this part's start ran) found no part to stop: it
+  # is stopped now, not left to run to its limit
+  if [ -n "$STOPPED" ]; then stop_part; fi
   while :; do
     wait "$PART_PID"; rc=$?
     kill -0 "$PART_PID" 2>/dev/null || break

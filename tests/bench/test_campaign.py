@@ -385,3 +385,41 @@ def test_a_signal_to_the_campaign_stops_its_running_part_and_prints_the_table(tm
     assert out.rstrip().endswith(table.rstrip().splitlines()[-1])
     assert "- part attn: rc 143 in " in table and f"(STOPPED by {sig})" in table, table
     assert f"- part host: NOT RUN (the campaign was stopped by {sig})" in table
+
+
+def test_a_signal_just_before_a_part_starts_stops_that_part(tmp_path):
+    """A SIGTERM that lands after the part's NOT-RUN check but before its process is known to the script (here while
+    a `stat` on PATH that sleeps 3 s measures the log, the last step before the start) found no part to stop: the
+    part then ran to its end (rc 0) and only later parts were named NOT RUN. The part is now stopped at its start."""
+    import signal
+    import time
+
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    real = subprocess.run(["bash", "-c", "command -v stat"], capture_output=True, text=True, check=True).stdout.strip()
+    (shim / "stat").write_text(f"#!/bin/sh\nsleep 3\nexec {real} \"$@\"\n")
+    (shim / "stat").chmod(0o755)
+    proc = campaign(tmp_path, "--parts", "attn,host", LIMIT_attn="600", PATH=f"{shim}:{os.environ['PATH']}")
+    log, mine = tmp_path / "c" / "log.txt", str(tmp_path / "c")
+    try:
+        t0 = time.monotonic()
+        while not (log.is_file() and "part attn (limit" in log.read_text()):
+            assert proc.poll() is None and time.monotonic() - t0 < 120, "the attn part never started"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+        time.sleep(0.5)
+        left = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+        assert not [ln for ln in left.splitlines() if mine in ln]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        ps = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+        for ln in ps.splitlines():  # what a failure left behind, ours by its --out
+            if mine in ln and "attn_windows.py" in ln:
+                os.kill(int(ln.split()[0]), signal.SIGKILL)
+    assert proc.returncode == 143, out[-2000:]
+    table = (tmp_path / "c" / "campaign.md").read_text()
+    assert "- part attn: rc 143 in " in table and "(STOPPED by SIGTERM)" in table, table
+    assert "- part host: NOT RUN (the campaign was stopped by SIGTERM)" in table
