@@ -98,7 +98,11 @@ def test_causal_plan_equals_the_same_plan_on_the_full_suffix_copy(plan):
 def test_causal_plan_with_shared_weights_equals_the_copy():
     model, x = make_model(), ids()
     got = bind(model, "4xF1-h0-K2-causal", share_weights=True)(x)
-    assert torch.equal(got, bind(full_suffix(make_model(), 4), "4xF1-h0-K2")(x))
+    copy = full_suffix(make_model(), 4)
+    # bit for bit against the copy's own shared-weights path (the same kernels); the unshared path sums in another
+    # order, equal to round-off only on some CPUs (AVX-512 boxes differ in the last bits)
+    assert torch.equal(got, bind(copy, "4xF1-h0-K2", share_weights=True)(x))
+    torch.testing.assert_close(got, bind(copy, "4xF1-h0-K2")(x), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("plan", ["4xF1-h0-K1-hcn", "4xF1-h0-K2-hcn", "2xF2-h0-K1-hcn", "4xF1-h0-K1"])
