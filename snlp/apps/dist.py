@@ -349,7 +349,8 @@ class DistDecodeRow(DistBenchRow):
     new_tokens: int
     repetition_penalty: float = 1.0  # the penalty every mode's decode applied (1: none) ...
     repetition_penalty_source: str = "default"  # ... from: flag | generation_config (a converted --ckpt's) | default
-    alpha: float | None = None  # speculative rows only
+    alpha: float | None = None  # speculative rows only: pooled over the timed runs (accepted / examined drafts)
+    alpha_runs: list[float | None] | None = None  # ... and each timed run's own (None: it drafted nothing)
     tokens_per_round: float | None = None  # output tokens per round (cut at a stop id)
     draft_ms_per_step: float | None = None
     verify_ms_per_round: float | None = None

@@ -196,6 +196,13 @@ def test_bench_decode_alpha_comes_from_the_timed_runs_of_the_medians(tmp_path):
     assert spec["alpha"] == sum(a for a, *_ in seen) / sum(e for _, e, *_ in seen) > 0
     assert spec["alpha_runs"] == [a / e if e else None for a, e, *_ in seen]
     assert spec["tokens_per_round"] == sum(t for *_, t, _ in seen) / sum(r for *_, r in seen)
+    # every record is the CLI's row with every key kept (a key the row lacked stopped `snlp bench --distributed
+    # --decode` with a TypeError after every timing had run)
+    from snlp.apps.dist import dist_bench_row
+
+    for rec in recs:
+        row = dist_bench_row(rec, loadavg=[], pinned=False, threads=1).to_dict()
+        assert {k: row[k] for k in rec} == rec
 
 
 def test_bench_decode_rows_match_only_a_sequential_reference_every_run_agrees_on(tmp_path):
