@@ -576,6 +576,17 @@ def run_simulate(args, unread_flags, shape_flags, defaults: dict) -> int:
     shape = CostShape(**{**shape.__dict__, "dtype_bytes": torch.finfo(dtype).bits // 8})
     link = Link(args.link_gbps, args.link_latency_us)
     plans = parse_plans(args.plans, shape.n_layer)
+    # -causal drops sliding windows, and the shape's layers have none (they attend fully; the cost model prices no
+    # window): such a plan would price as its non-causal twin, so it is refused before anything is timed
+    # (Plan.check_model, as the benchmarks that run a model), and one whose windows all spanned --tokens would be
+    # warned about (warn_causal_idle, as they do)
+    from snlp.apps.common import warn_causal_idle
+
+    config = shape.config()
+    for p in plans:
+        if p.causal:
+            p.check_model(config)
+    warn_causal_idle(plans, config, counts[0])
     rows = []
     for plan in plans:
         if args.roofline_gbytes:

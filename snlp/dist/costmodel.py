@@ -90,6 +90,20 @@ class Shape:
     def weight_bytes(self) -> int:
         return (self.n_layer * self.layer_params + 2 * self.vocab_size * self.n_embd) * self.dtype_bytes
 
+    def config(self, n_layer: int | None = None, sequence_len: int = 16):
+        """The GPTConfig of this shape (`n_layer` of them; default all): the layer `measure_layer_ms` times (its MLP
+        kind and width, Shape.layer_params), every layer attending fully (the shape has no sliding windows, so a
+        -causal plan changes nothing here; Plan.check_model refuses one)."""
+        from snlp.model.gpt import GPTConfig
+
+        if self.mlp_mats not in (2, 3):
+            raise ValueError(f"mlp_mats must be 2 (relu^2) or 3 (SwiGLU) to build the layer it times (got "
+                             f"{self.mlp_mats})")
+        return GPTConfig(n_layer=self.n_layer if n_layer is None else n_layer, n_embd=self.n_embd,
+                         n_head=self.n_head, n_kv_head=self.n_kv_head, vocab_size=self.vocab_size,
+                         mlp_ratio=self.mlp_ratio, sequence_len=sequence_len,
+                         mlp_act="swiglu" if self.mlp_mats == 3 else "relu2", ffn_dim=self.mlp_hidden or 0)
+
 
 @dataclass
 class Prediction:
@@ -163,17 +177,13 @@ def measure_layer_ms(shape: Shape, plan: Plan, devices: int, tokens: int = 1, ba
     of M layers (else None: the model uses n*M*layer_ms). Builds only the layers it times, with random
     weights. Medians of `runs` calls after `warmup`, ms."""
     from snlp.method.fusion import build_chunk_weights, chunk_forward
-    from snlp.model.gpt import GPT, GPTConfig
+    from snlp.model.gpt import GPT
 
     n_loc = math.ceil(plan.chunks / devices)
     nbytes = n_loc * plan.fuse * shape.layer_params * torch.finfo(dtype).bits // 8
     depth = n_loc * plan.fuse if nbytes <= max_chunk_gb * 1e9 else 1
-    if shape.mlp_mats not in (2, 3):
-        raise ValueError(f"mlp_mats must be 2 (relu^2) or 3 (SwiGLU) to build the layer it times (got {shape.mlp_mats})")
     # the layer timed is the shape's (its MLP kind and width: Shape.layer_params), not the relu^2 4D default
-    cfg = GPTConfig(n_layer=depth, n_embd=shape.n_embd, n_head=shape.n_head, n_kv_head=shape.n_kv_head,
-                    vocab_size=shape.vocab_size, mlp_ratio=shape.mlp_ratio, sequence_len=max(tokens, 16),
-                    mlp_act="swiglu" if shape.mlp_mats == 3 else "relu2", ffn_dim=shape.mlp_hidden or 0)
+    cfg = shape.config(depth, sequence_len=max(tokens, 16))
     with torch.device(device):
         model = GPT(cfg)
     model.init_weights(seed=0)
