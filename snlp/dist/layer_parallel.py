@@ -759,9 +759,11 @@ def distributed_benchmark(model_fn, plans: list[Plan], tokens: int, batch: int, 
         with torch.inference_mode():
             pipe = _timed(lambda: runner.pipeline_forward(idx), warmup, runs)
             par = _timed(lambda: runner.solve(idx, check_finite=False), warmup, runs)
-            # prefix placement: what replicating the prefix would save (the h_S broadcast) vs what it costs
+            # prefix placement: what replicating the prefix would save (the h_S broadcast) vs what it costs; a plan
+            # without a prefix broadcasts nothing (h_S = x0 on every rank): both 0
             hS = runner.model.embed(idx).x0.contiguous()
-            bcast = _timed(lambda: _broadcast(hS, 0, "broadcast of the prefix state h_S"), warmup, runs)
+            bcast = _timed(lambda: _broadcast(hS, 0, "broadcast of the prefix state h_S"), warmup, runs) \
+                if runner.S > 0 else [0.0]
             prefix = []
             if runner.rank == 0 and runner.S > 0:
                 ctx = runner.model.embed(idx)

@@ -212,3 +212,25 @@ def test_bench_decode_rows_match_only_a_sequential_reference_every_run_agrees_on
     recs, _ = torch.load(tmp_path / "seq0.pt", weights_only=False)
     rows = [r for r in recs if r.get("what") == "decode"]
     assert rows and not any(r["matches_sequential"] for r in rows)
+
+
+def _prefix_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from snlp.dist.layer_parallel import distributed_benchmark
+    from snlp.method.plan import Plan
+
+    _init(rank, world, port)
+    recs = distributed_benchmark(_model, [Plan.parse("6xF1-h0-K1"), Plan.parse(PLAN)], tokens=3, batch=1, warmup=0,
+                                 runs=1, seed=0)
+    torch.save(recs, os.path.join(out, f"prefix{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_prefill_records_no_h_s_broadcast_for_a_plan_without_a_prefix(tmp_path):
+    """h_S_broadcast_ms is what replicating the prefix would save: a plan with S = 0 broadcasts no h_S (every rank
+    starts from x0), yet the record timed a broadcast its solve never makes; it is now 0 there, as prefix_ms_rank0."""
+    _spawn(_prefix_worker, 1, str(tmp_path))
+    none, some = torch.load(tmp_path / "prefix0.pt", weights_only=False)
+    assert none["h_S_broadcast_ms"] == none["prefix_ms_rank0"] == 0.0
+    assert some["h_S_broadcast_ms"] > 0.0 and some["prefix_ms_rank0"] > 0.0  # 5xF1 on 6 layers: S = 1
