@@ -544,7 +544,7 @@ def _run_bench_ranked(args, spec: ModelSpec, rank: int, world: int, device, core
 def run_simulate(args, unread_flags, shape_flags, defaults: dict) -> int:
     """`snlp bench --simulate-devices P --link-gbps G --link-latency-us U`: the cost model (snlp.dist.costmodel).
     From snlp.apps.bench: its check of unread flags, the size flags a --shape replaces and the parser's defaults."""
-    from snlp.dist.costmodel import SHAPES, Link, measure_layer_ms, predict, roofline_layer_ms
+    from snlp.dist.costmodel import SHAPES, Link, check_devices, measure_layer_ms, predict, roofline_layer_ms
 
     P = args.simulate_devices
     if P < 1:
@@ -583,7 +583,8 @@ def run_simulate(args, unread_flags, shape_flags, defaults: dict) -> int:
     from snlp.apps.common import warn_causal_idle
 
     config = shape.config()
-    for p in plans:
+    for p in plans:  # a chunk per device too: a later plan with fewer failed after the earlier ones were measured
+        check_devices(p, P)
         if p.causal:
             p.check_model(config)
     warn_causal_idle(plans, config, counts[0])

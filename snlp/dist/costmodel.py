@@ -124,19 +124,25 @@ class Prediction:
         return asdict(self)
 
 
+def check_devices(plan: Plan, devices: int) -> None:
+    """A ValueError unless `devices` is an integer >= 1 and the plan has a chunk for every device."""
+    if not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices must be an integer >= 1 (got {devices!r})")
+    if plan.chunks < devices:
+        raise ValueError(f"plan {plan} has C = {plan.chunks} chunks, fewer than the {devices} devices (every device "
+                         f"needs one)")
+
+
 def predict(shape: Shape, plan: Plan, devices: int, link: Link, layer_ms: float, head_ms: float,
             tokens: int = 1, batch: int = 1, chunk_ms: float | None = None, floor_ms: float = 0.0) -> Prediction:
     """Per-token latency of sequential / pipeline / tensor parallel / SNLP (module docstring). `floor_ms`
     is a per-op floor (kernel launches: no op takes less, however little it reads); measured times
     already contain it, so it is for roofline inputs. It makes one batched op of n chunks cost
     max(floor, n*M*layer_ms) and a tensor-parallel layer max(floor, layer_ms / P)."""
-    if not isinstance(devices, int) or devices < 1:
-        raise ValueError(f"devices must be an integer >= 1 (got {devices!r})")
+    check_devices(plan, devices)
     plan.check(shape.n_layer)
     L, P = shape.n_layer, devices
     S, C, M = plan.prefix_len(L), plan.chunks, plan.fuse
-    if C < P:
-        raise ValueError(f"plan {plan} has C = {C} chunks, fewer than the {P} devices (every device needs one)")
     msg = batch * tokens * shape.n_embd * shape.dtype_bytes  # one residual-stream state
     n_loc = math.ceil(C / P)
     t_chunk = max(floor_ms, n_loc * M * layer_ms) if chunk_ms is None else chunk_ms

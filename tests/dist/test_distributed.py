@@ -319,6 +319,22 @@ def test_bench_simulate_devices_cli(tmp_path):
     assert json.loads(out.read_text())[0]["compute"].startswith("measured on cpu")
 
 
+def test_bench_simulate_devices_refuses_a_plan_with_too_few_chunks_before_measuring_any(monkeypatch, tmp_path, capsys):
+    """--simulate-devices 4 --plans 4xF1-h0-K1,2xF1-h0-K1 measured and printed the first plan, then stopped on the
+    second's C < P, writing nothing: every plan is checked before the first is measured."""
+    import snlp.dist.costmodel as costmodel
+    from snlp.apps.cli import main
+
+    measured = []
+    real = costmodel.measure_layer_ms
+    monkeypatch.setattr(costmodel, "measure_layer_ms", lambda *a, **k: measured.append(a) or real(*a, **k))
+    assert main(["bench", "--simulate-devices", "4", "--depth", "4", "--width", "64", "--head-dim", "32",
+                 "--vocab-size", "128", "--plans", "4xF1-h0-K1,2xF1-h0-K1", "--runs", "1", "--warmup", "0"]) == 2
+    out = capsys.readouterr()
+    assert "plan 2xF1-h0-K1 has C = 2 chunks, fewer than the 4 devices" in out.err
+    assert measured == [] and "4xF1-h0-K1 on 4 devices" not in out.out
+
+
 def test_measured_layer_is_the_shapes_layer(monkeypatch):
     """`measure_layer_ms` times the layer of the Shape it is given: a SwiGLU MLP of mlp_hidden (the 70B shape's kind)
     is built as one, with Shape.layer_params weights, not as the relu^2 MLP of 4 D."""
