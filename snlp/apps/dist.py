@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import warnings
 from pathlib import Path
 from dataclasses import asdict, dataclass
 from typing import ClassVar
@@ -443,6 +444,9 @@ def run_bench(args, spec: ModelSpec, unread_flags) -> int:
             p.check(spec.depth)
         warn_causal_idle(plans, spec_config(spec), longest)
     check_before_ranks(args, plans, spec.ckpt, spec)
+    # a plan listed twice (parse_plans refuses it) and a K beyond the exact count (it warns and caps it): said here,
+    # before the process group starts (every rank refused a duplicate after it had), not again by the rank's parse
+    parse_plans(args.plans, RankCheckpoint(spec.ckpt).config.n_layer if spec.ckpt else spec.depth)
     return _run_ranked("bench", args, lambda rank, world, device, cores: _run_bench_ranked(args, spec, rank, world,
                                                                                             device, cores))
 
@@ -505,7 +509,9 @@ def _run_bench_ranked(args, spec: ModelSpec, rank: int, world: int, device, core
     else:  # random weights come from one RNG stream over the whole model: every rank draws all of it
         model_fn = lambda: build_model(spec).to(device=device, dtype=dtype).eval()  # noqa: E731  same seed everywhere
         L = spec.depth
-    plans = parse_plans(args.plans, L)
+    with warnings.catch_warnings():  # run_bench said them before the process group started
+        warnings.simplefilter("ignore")
+        plans = parse_plans(args.plans, L)
     blocks = dist_blocks(args.blocks)
     counts = args.tokens if isinstance(args.tokens, tuple) else (args.tokens,)
     window, own = rank_load(device, cores, rank, torch.get_num_threads() > 1)

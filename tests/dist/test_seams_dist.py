@@ -377,6 +377,10 @@ def test_distributed_benchmark_decodes_every_mode_with_the_penalty(tmp_path):
     (["bench", "--distributed", "--depth", "4", "--blocks", "2"],
      "--blocks is not read by `snlp bench --distributed` without --decode"),
     (["bench", "--suite", "paper", "--distributed"], "--distributed is not read by `snlp bench --suite paper`"),
+    # a plan listed twice: every rank refused it after the process group started
+    (["bench", "--distributed", "--depth", "4", "--plans", "4xF1-h0-K1,4xF1-K1"],
+     "--plans lists 4xF1-h0-K1 twice (4xF1-h0-K1 and 4xF1-K1 are one plan)"),
+    (["bench", "--distributed", "--ckpt", "{ckpt}", "--plans", "2xF1-h0-K1,2xF1-K1"], "--plans lists 2xF1-h0-K1 twice"),
     (["bench", "--simulate-devices", "2", "--ckpt", "{ckpt}", "--roofline-gbytes", "100", "--plans", "2xF1-h0-K1"],
      "--ckpt is not read by `snlp bench --simulate-devices"),
     (["bench", "--simulate-devices", "2", "--distributed", "--shape", "3B", "--roofline-gbytes", "100"],
