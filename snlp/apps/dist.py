@@ -559,6 +559,16 @@ def run_simulate(args, unread_flags, shape_flags, defaults: dict) -> int:
 
     # a flag the cost model does not read (--ckpt, --distributed, --hc-streams, ...) would change nothing: refused
     unread_flags(args, "simulate-devices --roofline-gbytes" if args.roofline_gbytes else "simulate-devices")
+    # the counts and roofline inputs before anything is measured: a batch < 1 priced a message of no or negative
+    # bytes, --runs 0 failed after the first plan's layers were built (the median of no runs)
+    if args.batch < 1:
+        raise ValueError(f"--batch must be >= 1 (got {args.batch})")
+    if args.roofline_gbytes is not None:
+        from snlp.dist.costmodel import check_roofline
+
+        check_roofline(args.roofline_gbytes, args.roofline_efficiency, args.op_floor_us)
+    elif args.runs < 1 or args.warmup < 0:
+        raise ValueError("--runs must be >= 1 and --warmup >= 0")
     counts = args.tokens if isinstance(args.tokens, tuple) else (args.tokens,)
     if len(counts) != 1:
         raise ValueError(f"--simulate-devices takes one --tokens value (got {','.join(map(str, counts))})")

@@ -168,8 +168,22 @@ def predict(shape: Shape, plan: Plan, devices: int, link: Link, layer_ms: float,
                       fits_one_device_gb=shape.weight_bytes / 1e9)
 
 
+def check_roofline(mem_gbytes_per_s: float, efficiency: float, floor_us: float = 0.0) -> None:
+    """A ValueError unless the bandwidth is a finite number of GB/s > 0, the efficiency (the fraction of it a step
+    reaches) lies in (0, 1] and the per-op floor is a finite number of us >= 0 (0 efficiency divided by zero; a
+    negative bandwidth or floor priced negative or floor-less ops)."""
+    if not (isinstance(mem_gbytes_per_s, (int, float)) and math.isfinite(mem_gbytes_per_s) and mem_gbytes_per_s > 0):
+        raise ValueError(f"--roofline-gbytes must be a finite memory bandwidth > 0 GB/s (got {mem_gbytes_per_s!r})")
+    if not (isinstance(efficiency, (int, float)) and 0 < efficiency <= 1):
+        raise ValueError(f"--roofline-efficiency is the fraction of --roofline-gbytes a step reaches: it must lie in "
+                         f"(0, 1] (got {efficiency!r})")
+    if not (isinstance(floor_us, (int, float)) and math.isfinite(floor_us) and floor_us >= 0):
+        raise ValueError(f"--op-floor-us must be a finite number of microseconds >= 0 (got {floor_us!r})")
+
+
 def roofline_layer_ms(shape: Shape, mem_gbytes_per_s: float, efficiency: float = 0.7) -> tuple[float, float]:
     """(layer ms, head ms) of a bandwidth-bound decode step: weight bytes / (bandwidth * efficiency)."""
+    check_roofline(mem_gbytes_per_s, efficiency)
     bw = mem_gbytes_per_s * 1e9 * efficiency
     return (1e3 * shape.layer_params * shape.dtype_bytes / bw,
             1e3 * shape.vocab_size * shape.n_embd * shape.dtype_bytes / bw)

@@ -391,6 +391,22 @@ def test_distributed_benchmark_decodes_every_mode_with_the_penalty(tmp_path):
      "--shape 3B is a whole shape; --depth would change nothing"),
     (["bench", "--simulate-devices", "2", "--shape", "3B", "--roofline-gbytes", "100", "--tokens", "1,4"],
      "--simulate-devices takes one --tokens value (got 1,4)"),
+    # counts and roofline inputs the cost model priced silently (a batch of 0 or -2, a negative bandwidth or floor,
+    # an efficiency above 1), divided by (efficiency 0) or failed on after measuring (--runs 0)
+    (["bench", "--simulate-devices", "2", "--shape", "3B", "--roofline-gbytes", "100", "--batch", "0"],
+     "--batch must be >= 1 (got 0)"),
+    (["bench", "--simulate-devices", "2", "--shape", "3B", "--roofline-gbytes", "100", "--batch", "-2"],
+     "--batch must be >= 1 (got -2)"),
+    (["bench", "--simulate-devices", "2", "--shape", "3B", "--roofline-gbytes", "-100"],
+     "--roofline-gbytes must be a finite memory bandwidth > 0 GB/s"),
+    (["bench", "--simulate-devices", "2", "--shape", "3B", "--roofline-gbytes", "100", "--roofline-efficiency", "0"],
+     "--roofline-efficiency is the fraction of --roofline-gbytes a step reaches: it must lie in (0, 1]"),
+    (["bench", "--simulate-devices", "2", "--shape", "3B", "--roofline-gbytes", "100", "--roofline-efficiency",
+      "1.5"], "it must lie in (0, 1] (got 1.5)"),
+    (["bench", "--simulate-devices", "2", "--shape", "3B", "--roofline-gbytes", "100", "--op-floor-us", "-5"],
+     "--op-floor-us must be a finite number of microseconds >= 0"),
+    (["bench", "--simulate-devices", "2", "--depth", "4", "--runs", "0"], "--runs must be >= 1 and --warmup >= 0"),
+    (["bench", "--simulate-devices", "2", "--depth", "4", "--warmup", "-1"], "--runs must be >= 1 and --warmup >= 0"),
 ])
 def test_distributed_refuses_what_it_cannot_honour(chat_ckpt, argv, msg, capsys, monkeypatch):
     """Refused before any process group is set up (no torchrun environment: a refusal that came later would be the
