@@ -603,6 +603,12 @@ class DistributedSNLP:
         single-process round does; the other ranks learn the tokens from the broadcast, as without a penalty."""
         if mode not in ("snlp", "sequential", "speculative"):
             raise ValueError(f"unknown distributed decoding mode {mode!r}: valid modes are snlp, sequential, speculative")
+        if isinstance(prompt_ids, (list, tuple)) and any(isinstance(p, (list, tuple, Tensor)) for p in prompt_ids):
+            # the single-process decoders take a batch as a list of prompts; every rank refuses one alike, before any
+            # collective (DecodeSession said "token ids must be integers", naming the first prompt as a bad id)
+            raise ValueError(f"distributed decoding takes one prompt (a list of token ids), got a list of "
+                             f"{len(prompt_ids)} prompts: decode them one at a time (batched decoding of a list of "
+                             f"prompts is single-process: snlp_generate, speculative_generate)")
         check_decode_args(max_new_tokens, temperature, block if mode == "speculative" else None)
         how = sampling(temperature, top_k, top_p, seed)
         penalty = check_repetition_penalty(repetition_penalty)

@@ -234,3 +234,35 @@ def test_prefill_records_no_h_s_broadcast_for_a_plan_without_a_prefix(tmp_path):
     none, some = torch.load(tmp_path / "prefix0.pt", weights_only=False)
     assert none["h_S_broadcast_ms"] == none["prefix_ms_rank0"] == 0.0
     assert some["h_S_broadcast_ms"] > 0.0 and some["prefix_ms_rank0"] > 0.0  # 5xF1 on 6 layers: S = 1
+
+
+def _batch_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from snlp.dist.layer_parallel import DistributedSNLP
+
+    _init(rank, world, port)
+    runner = DistributedSNLP(_model(), PLAN)
+    res = {}
+    for name, prompts in (("lists", [[1, 2, 3], [4]]), ("tensors", [torch.tensor([1, 2]), torch.tensor([3])])):
+        try:
+            runner.generate(prompts, "snlp", max_new_tokens=2)
+            res[name] = "decoded"
+        except ValueError as e:
+            res[name] = str(e)
+    res["one"] = runner.generate([1, 2, 3], "snlp", max_new_tokens=2).tokens  # still decodes: no collective was left
+    torch.save(res, os.path.join(out, f"batch{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_a_list_of_prompts_is_refused_as_a_batch(tmp_path):
+    """The single-process decoders take a list of prompts as a ragged batch; the distributed one decodes one prompt and
+    said "prompt token ids must be integers, got [1, 2, 3] (list)" (the first prompt read as a bad id): it now says it
+    takes one prompt, on every rank before any collective."""
+    from snlp.decode import snlp_generate
+
+    _spawn(_batch_worker, 1, str(tmp_path))
+    res = torch.load(tmp_path / "batch0.pt", weights_only=False)
+    for name in ("lists", "tensors"):
+        assert "distributed decoding takes one prompt (a list of token ids), got a list of 2 prompts" in res[name]
+    assert res["one"] == snlp_generate(_model(), [1, 2, 3], PLAN, 2).tokens
