@@ -435,9 +435,10 @@ def run_bench(args, spec: ModelSpec, unread_flags) -> int:
     from snlp.apps.common import check_plans_fit, check_plans_grammar, warn_causal_idle
 
     plans = check_plans_grammar(args.plans)
-    # as the single-process bench: a -causal plan whose windows all span the longest sequence (a decode's prompt and
-    # new tokens, a prefill's --tokens) is warned about, before any rank starts
-    longest = args.prompt_len + args.new_tokens if args.decode else counts[0] if counts[0] >= 1 else None
+    # as the single-process bench: a -causal plan whose windows all span the longest sequence is warned about, before
+    # any rank starts; every plan runs its prefill rows at --tokens, with --decode its decodes of prompt and new tokens
+    # too (the longer of the two: a warning from the decodes alone was false for a longer prefill)
+    longest = max(counts[0], args.prompt_len + args.new_tokens) if args.decode else counts[0]
     check_plans_fit(spec.ckpt, plans, longest=longest)
     if not spec.ckpt:  # random weights: the depth is --depth's (every rank would refuse a too deep plan alike)
         for p in plans:

@@ -204,6 +204,11 @@ def test_distributed_bench_warns_before_any_rank_starts(windowed, monkeypatch):
 
     for new, n in ((w - 1, 1), (w, 0)):
         assert len(said("--decode", "--ckpt", str(ck), "--prompt-len", "2", "--new-tokens", str(new))) == n, new
+    # with --decode every plan runs its prefill rows at --tokens too: a longer prefill is where the window bites
+    for tokens, n in ((w + 1, 1), (w + 2, 0)):
+        got = said("--decode", "--ckpt", str(ck), "--prompt-len", "2", "--new-tokens", str(w - 1),
+                   "--tokens", str(tokens))
+        assert len(got) == n and (not n or f"at most {w + 1} tokens" in got[0]), (tokens, got)
     got = said("--depth", "4", "--width", "32", "--head-dim", "16", "--window-pattern", "SL", "--tokens", "8")
     assert len(got) == 1 and "at most 8 tokens" in got[0], got
 
@@ -211,7 +216,8 @@ def test_distributed_bench_warns_before_any_rank_starts(windowed, monkeypatch):
 def test_decode_suite_warns_where_every_window_spans_its_sequences(windowed):
     """`snlp bench --suite decode` warns as `snlp bench --decode` does: on a checkpoint where --prompt-len +
     --suite-new-tokens <= w + 1 (every prompt is cut to --prompt-len), at a paper shape (--shapes, whose drafter steps
-    decode one token after the prompt) where --prompt-len + 1 <= w + 1; past that the window bites and nothing is said."""
+    decode one token after the prompt) where --prompt-len + 1 <= w + 1; past that the window bites and nothing is
+    said."""
     ck, w = windowed
     run = ["bench", "--suite", "decode", "--suite-plans", CAUSAL, "--suite-runs", "1", "--suite-warmup", "0"]
     for new, said in ((w - 1, True), (w, False)):
@@ -243,4 +249,5 @@ def test_simulate_devices_refuses_a_causal_plan_its_windowless_shape_cannot_take
             "--link-latency-us", "5", "--roofline-gbytes", "1000"]
     assert main(argv) == 2
     err = capsys.readouterr()
-    assert "2xF1-h0-K1-causal" in err.err and "changes nothing, drop -causal" in err.err and "2xF1-h0-K1 on" not in err.out
+    assert "2xF1-h0-K1-causal" in err.err and "changes nothing, drop -causal" in err.err
+    assert "2xF1-h0-K1 on" not in err.out  # nothing priced before the refusal
