@@ -593,14 +593,14 @@ def run_simulate(args, unread_flags, shape_flags, defaults: dict) -> int:
     shape = CostShape(**{**shape.__dict__, "dtype_bytes": torch.finfo(dtype).bits // 8})
     link = Link(args.link_gbps, args.link_latency_us)
     plans = parse_plans(args.plans, shape.n_layer)
-    # -causal drops sliding windows, and the shape's layers have none (they attend fully; the cost model prices no
-    # window): such a plan would price as its non-causal twin, so it is refused before anything is timed
-    # (Plan.check_model, as the benchmarks that run a model), and one whose windows all spanned --tokens would be
-    # warned about (warn_causal_idle, as they do)
+    # every plan before the first is measured: a chunk per device (a later plan with fewer failed after the earlier
+    # ones were measured and printed), and no -causal: it drops sliding windows, the shape's layers have none (the
+    # cost model prices no window), so it would be priced as its non-causal twin (Plan.check_model's refusal, as the
+    # benchmarks that run a model give it; warn_causal_idle as they call it, for a shape that had windows)
     from snlp.apps.common import warn_causal_idle
 
     config = shape.config()
-    for p in plans:  # a chunk per device too: a later plan with fewer failed after the earlier ones were measured
+    for p in plans:
         check_devices(p, P)
         if p.causal:
             p.check_model(config)
