@@ -836,6 +836,18 @@ def run_decode_suite_cli(args, command: str) -> int:
             alphas = tuple(float(a) for a in split(args.alpha or "0.6,0.8"))
         except ValueError:
             raise ValueError(f"--alpha must be comma-separated numbers in [0, 1], got {args.alpha!r}") from None
+        from snlp.apps.common import warn_causal_idle
+        from snlp.bench.ssd_prediction import SHAPE_KEYS, shape_config
+        from snlp.method.plan import Plan
+
+        unknown = [s for s in split(args.shapes) if s not in SHAPE_KEYS]
+        if unknown:  # before any shape is timed: a later unknown one ended the run after the earlier ones' timings
+            raise ValueError(f"unknown --shapes {','.join(unknown)}: valid shapes are {', '.join(SHAPE_KEYS)}")
+        for shape in split(args.shapes) if plans else ():
+            config = shape_config(shape, args.quick)[0]  # before any shape's model is built and timed
+            checked = [Plan.parse(p, config.n_layer).check_model(config) for p in plans]
+            # a drafter step decodes one token after a prompt of --prompt-len: its sequences hold prompt_len + 1
+            warn_causal_idle(checked, config, args.prompt_len + 1)
         rows = []
         for shape in split(args.shapes):
             rows += paper_shape_prediction(shape, alphas, plans, blocks, args.quick, args.device, args.dtype,
@@ -856,8 +868,6 @@ def run_decode_suite_cli(args, command: str) -> int:
     from snlp.apps.generation_defaults import check_penalty_flag
 
     check_penalty_flag(args.repetition_penalty)  # in the flag's words (the suite's own check names its field)
-    # --suite-plans against the model's config (a transformers folder's, a GGUF header's too), before its weights load
-    check_plans_fit(suite_source(args.ckpt), plans or (), transformers_ok=True)
     methods = None if args.suite_methods is None else split(args.suite_methods) or ()
     hf_only = [f for f, used in (("--early-exit", args.early_exit is not None),
                                  ("--prompt-lookup", args.prompt_lookup is not None)) if used]
@@ -893,6 +903,11 @@ def run_decode_suite_cli(args, command: str) -> int:
     from snlp.runtime.load import begin_timing
 
     resolved = cfg.resolved()  # the suite records its own window (its meta's load) and its markdown says a contended one
+    # --suite-plans against the model's config (a transformers folder's, a GGUF header's too), before its weights load;
+    # every prompt is cut to the prompt length, so a sequence holds at most prompt_len + new_tokens tokens: a -causal
+    # plan whose windows all span that many is warned about, as `snlp bench --decode` does
+    check_plans_fit(suite_source(args.ckpt), plans or (), transformers_ok=True,
+                    longest=resolved.prompt_len + resolved.new_tokens)
     begin_timing([resolved.threads or torch.get_num_threads()], resolved.device)
     result = run_decode_suite(cfg, progress=progress)
     text = markdown(result)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import warnings
 from pathlib import Path
 from dataclasses import asdict, dataclass
 from typing import ClassVar
@@ -349,7 +350,8 @@ class DistDecodeRow(DistBenchRow):
     new_tokens: int
     repetition_penalty: float = 1.0  # the penalty every mode's decode applied (1: none) ...
     repetition_penalty_source: str = "default"  # ... from: flag | generation_config (a converted --ckpt's) | default
-    alpha: float | None = None  # speculative rows only
+    alpha: float | None = None  # speculative rows only: pooled over the timed runs (accepted / examined drafts)
+    alpha_runs: list[float | None] | None = None  # ... and each timed run's own (None: it drafted nothing)
     tokens_per_round: float | None = None  # output tokens per round (cut at a stop id)
     draft_ms_per_step: float | None = None
     verify_ms_per_round: float | None = None
@@ -433,15 +435,19 @@ def run_bench(args, spec: ModelSpec, unread_flags) -> int:
     from snlp.apps.common import check_plans_fit, check_plans_grammar, warn_causal_idle
 
     plans = check_plans_grammar(args.plans)
-    # as the single-process bench: a -causal plan whose windows all span the longest sequence (a decode's prompt and
-    # new tokens, a prefill's --tokens) is warned about, before any rank starts
-    longest = args.prompt_len + args.new_tokens if args.decode else counts[0] if counts[0] >= 1 else None
+    # as the single-process bench: a -causal plan whose windows all span the longest sequence is warned about, before
+    # any rank starts; every plan runs its prefill rows at --tokens, with --decode its decodes of prompt and new tokens
+    # too (the longer of the two: a warning from the decodes alone was false for a longer prefill)
+    longest = max(counts[0], args.prompt_len + args.new_tokens) if args.decode else counts[0]
     check_plans_fit(spec.ckpt, plans, longest=longest)
     if not spec.ckpt:  # random weights: the depth is --depth's (every rank would refuse a too deep plan alike)
         for p in plans:
             p.check(spec.depth)
         warn_causal_idle(plans, spec_config(spec), longest)
     check_before_ranks(args, plans, spec.ckpt, spec)
+    # a plan listed twice (parse_plans refuses it) and a K beyond the exact count (it warns and caps it): said here,
+    # before the process group starts (every rank refused a duplicate after it had), not again by the rank's parse
+    parse_plans(args.plans, RankCheckpoint(spec.ckpt).config.n_layer if spec.ckpt else spec.depth)
     return _run_ranked("bench", args, lambda rank, world, device, cores: _run_bench_ranked(args, spec, rank, world,
                                                                                             device, cores))
 
@@ -504,7 +510,9 @@ def _run_bench_ranked(args, spec: ModelSpec, rank: int, world: int, device, core
     else:  # random weights come from one RNG stream over the whole model: every rank draws all of it
         model_fn = lambda: build_model(spec).to(device=device, dtype=dtype).eval()  # noqa: E731  same seed everywhere
         L = spec.depth
-    plans = parse_plans(args.plans, L)
+    with warnings.catch_warnings():  # run_bench said them before the process group started
+        warnings.simplefilter("ignore")
+        plans = parse_plans(args.plans, L)
     blocks = dist_blocks(args.blocks)
     counts = args.tokens if isinstance(args.tokens, tuple) else (args.tokens,)
     window, own = rank_load(device, cores, rank, torch.get_num_threads() > 1)
@@ -543,7 +551,7 @@ def _run_bench_ranked(args, spec: ModelSpec, rank: int, world: int, device, core
 def run_simulate(args, unread_flags, shape_flags, defaults: dict) -> int:
     """`snlp bench --simulate-devices P --link-gbps G --link-latency-us U`: the cost model (snlp.dist.costmodel).
     From snlp.apps.bench: its check of unread flags, the size flags a --shape replaces and the parser's defaults."""
-    from snlp.dist.costmodel import SHAPES, Link, measure_layer_ms, predict, roofline_layer_ms
+    from snlp.dist.costmodel import SHAPES, Link, check_devices, measure_layer_ms, predict, roofline_layer_ms
 
     P = args.simulate_devices
     if P < 1:
@@ -552,6 +560,16 @@ def run_simulate(args, unread_flags, shape_flags, defaults: dict) -> int:
 
     # a flag the cost model does not read (--ckpt, --distributed, --hc-streams, ...) would change nothing: refused
     unread_flags(args, "simulate-devices --roofline-gbytes" if args.roofline_gbytes else "simulate-devices")
+    # the counts and roofline inputs before anything is measured: a batch < 1 priced a message of no or negative
+    # bytes, --runs 0 failed after the first plan's layers were built (the median of no runs)
+    if args.batch < 1:
+        raise ValueError(f"--batch must be >= 1 (got {args.batch})")
+    if args.roofline_gbytes is not None:
+        from snlp.dist.costmodel import check_roofline
+
+        check_roofline(args.roofline_gbytes, args.roofline_efficiency, args.op_floor_us)
+    elif args.runs < 1 or args.warmup < 0:
+        raise ValueError("--runs must be >= 1 and --warmup >= 0")
     counts = args.tokens if isinstance(args.tokens, tuple) else (args.tokens,)
     if len(counts) != 1:
         raise ValueError(f"--simulate-devices takes one --tokens value (got {','.join(map(str, counts))})")
@@ -575,6 +593,18 @@ def run_simulate(args, unread_flags, shape_flags, defaults: dict) -> int:
     shape = CostShape(**{**shape.__dict__, "dtype_bytes": torch.finfo(dtype).bits // 8})
     link = Link(args.link_gbps, args.link_latency_us)
     plans = parse_plans(args.plans, shape.n_layer)
+    # every plan before the first is measured: a chunk per device (a later plan with fewer failed after the earlier
+    # ones were measured and printed), and no -causal: it drops sliding windows, the shape's layers have none (the
+    # cost model prices no window), so it would be priced as its non-causal twin (Plan.check_model's refusal, as the
+    # benchmarks that run a model give it; warn_causal_idle as they call it, for a shape that had windows)
+    from snlp.apps.common import warn_causal_idle
+
+    config = shape.config()
+    for p in plans:
+        check_devices(p, P)
+        if p.causal:
+            p.check_model(config)
+    warn_causal_idle(plans, config, counts[0])
     rows = []
     for plan in plans:
         if args.roofline_gbytes:

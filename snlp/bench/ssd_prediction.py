@@ -54,10 +54,16 @@ class PredictionRow:
         return asdict(self)
 
 
-def _shape_model(key: str, quick: bool, device, dtype, seed: int) -> tuple[GPT, object]:
+def shape_config(key: str, quick: bool):
+    """(the GPTConfig of the random model timed at paper shape `key`, the shape run: its quick copy with `quick`);
+    its layers keep nanochat's SSSL sliding windows (8 tokens quick, else 512)."""
     shape = next(s for s in PAPER_SHAPES if s.key == key)
     run = shape.quick() if quick else shape
-    cfg = run.config(256 if quick else 32768, "SSSL", 8 if quick else 512, 2048)
+    return run.config(256 if quick else 32768, "SSSL", 8 if quick else 512, 2048), run
+
+
+def _shape_model(key: str, quick: bool, device, dtype, seed: int) -> tuple[GPT, object]:
+    cfg, run = shape_config(key, quick)
     torch.manual_seed(seed)
     model = GPT(cfg)
     model.init_weights(seed=seed)

@@ -90,6 +90,20 @@ class Shape:
     def weight_bytes(self) -> int:
         return (self.n_layer * self.layer_params + 2 * self.vocab_size * self.n_embd) * self.dtype_bytes
 
+    def config(self, n_layer: int | None = None, sequence_len: int = 16):
+        """The GPTConfig of this shape (`n_layer` of them; default all): the layer `measure_layer_ms` times (its MLP
+        kind and width, Shape.layer_params), every layer attending fully (the shape has no sliding windows, so a
+        -causal plan changes nothing here; Plan.check_model refuses one)."""
+        from snlp.model.gpt import GPTConfig
+
+        if self.mlp_mats not in (2, 3):
+            raise ValueError(f"mlp_mats must be 2 (relu^2) or 3 (SwiGLU) to build the layer it times (got "
+                             f"{self.mlp_mats})")
+        return GPTConfig(n_layer=self.n_layer if n_layer is None else n_layer, n_embd=self.n_embd,
+                         n_head=self.n_head, n_kv_head=self.n_kv_head, vocab_size=self.vocab_size,
+                         mlp_ratio=self.mlp_ratio, sequence_len=sequence_len,
+                         mlp_act="swiglu" if self.mlp_mats == 3 else "relu2", ffn_dim=self.mlp_hidden or 0)
+
 
 @dataclass
 class Prediction:
@@ -110,19 +124,25 @@ class Prediction:
         return asdict(self)
 
 
+def check_devices(plan: Plan, devices: int) -> None:
+    """A ValueError unless `devices` is an integer >= 1 and the plan has a chunk for every device."""
+    if not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices must be an integer >= 1 (got {devices!r})")
+    if plan.chunks < devices:
+        raise ValueError(f"plan {plan} has C = {plan.chunks} chunks, fewer than the {devices} devices (every device "
+                         f"needs one)")
+
+
 def predict(shape: Shape, plan: Plan, devices: int, link: Link, layer_ms: float, head_ms: float,
             tokens: int = 1, batch: int = 1, chunk_ms: float | None = None, floor_ms: float = 0.0) -> Prediction:
     """Per-token latency of sequential / pipeline / tensor parallel / SNLP (module docstring). `floor_ms`
     is a per-op floor (kernel launches: no op takes less, however little it reads); measured times
     already contain it, so it is for roofline inputs. It makes one batched op of n chunks cost
     max(floor, n*M*layer_ms) and a tensor-parallel layer max(floor, layer_ms / P)."""
-    if not isinstance(devices, int) or devices < 1:
-        raise ValueError(f"devices must be an integer >= 1 (got {devices!r})")
+    check_devices(plan, devices)
     plan.check(shape.n_layer)
     L, P = shape.n_layer, devices
     S, C, M = plan.prefix_len(L), plan.chunks, plan.fuse
-    if C < P:
-        raise ValueError(f"plan {plan} has C = {C} chunks, fewer than the {P} devices (every device needs one)")
     msg = batch * tokens * shape.n_embd * shape.dtype_bytes  # one residual-stream state
     n_loc = math.ceil(C / P)
     t_chunk = max(floor_ms, n_loc * M * layer_ms) if chunk_ms is None else chunk_ms
@@ -148,8 +168,22 @@ def predict(shape: Shape, plan: Plan, devices: int, link: Link, layer_ms: float,
                       fits_one_device_gb=shape.weight_bytes / 1e9)
 
 
+def check_roofline(mem_gbytes_per_s: float, efficiency: float, floor_us: float = 0.0) -> None:
+    """A ValueError unless the bandwidth is a finite number of GB/s > 0, the efficiency (the fraction of it a step
+    reaches) lies in (0, 1] and the per-op floor is a finite number of us >= 0 (0 efficiency divided by zero; a
+    negative bandwidth or floor priced negative or floor-less ops)."""
+    if not (isinstance(mem_gbytes_per_s, (int, float)) and math.isfinite(mem_gbytes_per_s) and mem_gbytes_per_s > 0):
+        raise ValueError(f"--roofline-gbytes must be a finite memory bandwidth > 0 GB/s (got {mem_gbytes_per_s!r})")
+    if not (isinstance(efficiency, (int, float)) and 0 < efficiency <= 1):
+        raise ValueError(f"--roofline-efficiency is the fraction of --roofline-gbytes a step reaches: it must lie in "
+                         f"(0, 1] (got {efficiency!r})")
+    if not (isinstance(floor_us, (int, float)) and math.isfinite(floor_us) and floor_us >= 0):
+        raise ValueError(f"--op-floor-us must be a finite number of microseconds >= 0 (got {floor_us!r})")
+
+
 def roofline_layer_ms(shape: Shape, mem_gbytes_per_s: float, efficiency: float = 0.7) -> tuple[float, float]:
     """(layer ms, head ms) of a bandwidth-bound decode step: weight bytes / (bandwidth * efficiency)."""
+    check_roofline(mem_gbytes_per_s, efficiency)
     bw = mem_gbytes_per_s * 1e9 * efficiency
     return (1e3 * shape.layer_params * shape.dtype_bytes / bw,
             1e3 * shape.vocab_size * shape.n_embd * shape.dtype_bytes / bw)
@@ -163,17 +197,13 @@ def measure_layer_ms(shape: Shape, plan: Plan, devices: int, tokens: int = 1, ba
     of M layers (else None: the model uses n*M*layer_ms). Builds only the layers it times, with random
     weights. Medians of `runs` calls after `warmup`, ms."""
     from snlp.method.fusion import build_chunk_weights, chunk_forward
-    from snlp.model.gpt import GPT, GPTConfig
+    from snlp.model.gpt import GPT
 
     n_loc = math.ceil(plan.chunks / devices)
     nbytes = n_loc * plan.fuse * shape.layer_params * torch.finfo(dtype).bits // 8
     depth = n_loc * plan.fuse if nbytes <= max_chunk_gb * 1e9 else 1
-    if shape.mlp_mats not in (2, 3):
-        raise ValueError(f"mlp_mats must be 2 (relu^2) or 3 (SwiGLU) to build the layer it times (got {shape.mlp_mats})")
     # the layer timed is the shape's (its MLP kind and width: Shape.layer_params), not the relu^2 4D default
-    cfg = GPTConfig(n_layer=depth, n_embd=shape.n_embd, n_head=shape.n_head, n_kv_head=shape.n_kv_head,
-                    vocab_size=shape.vocab_size, mlp_ratio=shape.mlp_ratio, sequence_len=max(tokens, 16),
-                    mlp_act="swiglu" if shape.mlp_mats == 3 else "relu2", ffn_dim=shape.mlp_hidden or 0)
+    cfg = shape.config(depth, sequence_len=max(tokens, 16))
     with torch.device(device):
         model = GPT(cfg)
     model.init_weights(seed=0)

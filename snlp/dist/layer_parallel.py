@@ -603,6 +603,12 @@ class DistributedSNLP:
         single-process round does; the other ranks learn the tokens from the broadcast, as without a penalty."""
         if mode not in ("snlp", "sequential", "speculative"):
             raise ValueError(f"unknown distributed decoding mode {mode!r}: valid modes are snlp, sequential, speculative")
+        if isinstance(prompt_ids, (list, tuple)) and any(isinstance(p, (list, tuple, Tensor)) for p in prompt_ids):
+            # the single-process decoders take a batch as a list of prompts; every rank refuses one alike, before any
+            # collective (DecodeSession said "token ids must be integers", naming the first prompt as a bad id)
+            raise ValueError(f"distributed decoding takes one prompt (a list of token ids), got a list of "
+                             f"{len(prompt_ids)} prompts: decode them one at a time (batched decoding of a list of "
+                             f"prompts is single-process: snlp_generate, speculative_generate)")
         check_decode_args(max_new_tokens, temperature, block if mode == "speculative" else None)
         how = sampling(temperature, top_k, top_p, seed)
         penalty = check_repetition_penalty(repetition_penalty)
@@ -759,9 +765,11 @@ def distributed_benchmark(model_fn, plans: list[Plan], tokens: int, batch: int, 
         with torch.inference_mode():
             pipe = _timed(lambda: runner.pipeline_forward(idx), warmup, runs)
             par = _timed(lambda: runner.solve(idx, check_finite=False), warmup, runs)
-            # prefix placement: what replicating the prefix would save (the h_S broadcast) vs what it costs
+            # prefix placement: what replicating the prefix would save (the h_S broadcast) vs what it costs; a plan
+            # without a prefix broadcasts nothing (h_S = x0 on every rank): both 0
             hS = runner.model.embed(idx).x0.contiguous()
-            bcast = _timed(lambda: _broadcast(hS, 0, "broadcast of the prefix state h_S"), warmup, runs)
+            bcast = _timed(lambda: _broadcast(hS, 0, "broadcast of the prefix state h_S"), warmup, runs) \
+                if runner.S > 0 else [0.0]
             prefix = []
             if runner.rank == 0 and runner.S > 0:
                 ctx = runner.model.embed(idx)

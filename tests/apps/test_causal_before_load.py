@@ -204,5 +204,50 @@ def test_distributed_bench_warns_before_any_rank_starts(windowed, monkeypatch):
 
     for new, n in ((w - 1, 1), (w, 0)):
         assert len(said("--decode", "--ckpt", str(ck), "--prompt-len", "2", "--new-tokens", str(new))) == n, new
+    # with --decode every plan runs its prefill rows at --tokens too: a longer prefill is where the window bites
+    for tokens, n in ((w + 1, 1), (w + 2, 0)):
+        got = said("--decode", "--ckpt", str(ck), "--prompt-len", "2", "--new-tokens", str(w - 1),
+                   "--tokens", str(tokens))
+        assert len(got) == n and (not n or f"at most {w + 1} tokens" in got[0]), (tokens, got)
     got = said("--depth", "4", "--width", "32", "--head-dim", "16", "--window-pattern", "SL", "--tokens", "8")
     assert len(got) == 1 and "at most 8 tokens" in got[0], got
+
+
+def test_decode_suite_warns_where_every_window_spans_its_sequences(windowed):
+    """`snlp bench --suite decode` warns as `snlp bench --decode` does: on a checkpoint where --prompt-len +
+    --suite-new-tokens <= w + 1 (every prompt is cut to --prompt-len), at a paper shape (--shapes, whose drafter steps
+    decode one token after the prompt) where --prompt-len + 1 <= w + 1; past that the window bites and nothing is
+    said."""
+    ck, w = windowed
+    run = ["bench", "--suite", "decode", "--suite-plans", CAUSAL, "--suite-runs", "1", "--suite-warmup", "0"]
+    for new, said in ((w - 1, True), (w, False)):
+        got = causal_warnings([*run, "--ckpt", str(ck), "--suite-methods", "snlp", "--no-transformers",
+                               "--batch-sizes", "1", "--prompt-len", "2", "--suite-new-tokens", str(new)])
+        assert len(got) == int(said) and (not said or f"at most {2 + new} tokens" in got[0]), (new, got)
+    # the quick 3B shape: 10 layers, the last two a window of 8 (it keeps 9 tokens) and a full one
+    for prompt, said in ((8, True), (9, False)):
+        got = causal_warnings([*run, "--shapes", "3B", "--quick", "--prompt-len", str(prompt), "--blocks", "1",
+                               "--alpha", "0.5"])
+        assert len(got) == int(said) and (not said or "at most 9 tokens" in got[0]), (prompt, got)
+
+
+def test_decode_suite_refuses_an_unknown_shape_before_timing_any(monkeypatch, capsys):
+    """--shapes 3B,nope timed the 3B shape, then stopped on the unknown one: every shape is checked first."""
+    import snlp.bench.ssd_prediction as ssd
+
+    timed = []
+    monkeypatch.setattr(ssd, "paper_shape_prediction", lambda shape, *a, **k: timed.append(shape) or [])
+    assert main(["bench", "--suite", "decode", "--shapes", "3B,nope", "--quick"]) == 2
+    assert "unknown --shapes nope" in capsys.readouterr().err and timed == []
+
+
+@pytest.mark.parametrize("shape", [["--shape", "70B"], ["--depth", "4"]])
+def test_simulate_devices_refuses_a_causal_plan_its_windowless_shape_cannot_take(shape, capsys):
+    """The cost model's shapes have no sliding window (every layer attends fully) and it prices none: a -causal plan
+    was priced as its non-causal twin; it is refused (Plan.check_model's line) before anything is timed."""
+    argv = ["bench", "--simulate-devices", "2", *shape, "--plans", "2xF1-h0-K1,2xF1-h0-K1-causal", "--link-gbps", "100",
+            "--link-latency-us", "5", "--roofline-gbytes", "1000"]
+    assert main(argv) == 2
+    err = capsys.readouterr()
+    assert "2xF1-h0-K1-causal" in err.err and "changes nothing, drop -causal" in err.err
+    assert "2xF1-h0-K1 on" not in err.out  # nothing priced before the refusal

@@ -196,6 +196,13 @@ def test_bench_decode_alpha_comes_from_the_timed_runs_of_the_medians(tmp_path):
     assert spec["alpha"] == sum(a for a, *_ in seen) / sum(e for _, e, *_ in seen) > 0
     assert spec["alpha_runs"] == [a / e if e else None for a, e, *_ in seen]
     assert spec["tokens_per_round"] == sum(t for *_, t, _ in seen) / sum(r for *_, r in seen)
+    # every record is the CLI's row with every key kept (a key the row lacked stopped `snlp bench --distributed
+    # --decode` with a TypeError after every timing had run)
+    from snlp.apps.dist import dist_bench_row
+
+    for rec in recs:
+        row = dist_bench_row(rec, loadavg=[], pinned=False, threads=1).to_dict()
+        assert {k: row[k] for k in rec} == rec
 
 
 def test_bench_decode_rows_match_only_a_sequential_reference_every_run_agrees_on(tmp_path):
@@ -205,3 +212,57 @@ def test_bench_decode_rows_match_only_a_sequential_reference_every_run_agrees_on
     recs, _ = torch.load(tmp_path / "seq0.pt", weights_only=False)
     rows = [r for r in recs if r.get("what") == "decode"]
     assert rows and not any(r["matches_sequential"] for r in rows)
+
+
+def _prefix_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from snlp.dist.layer_parallel import distributed_benchmark
+    from snlp.method.plan import Plan
+
+    _init(rank, world, port)
+    recs = distributed_benchmark(_model, [Plan.parse("6xF1-h0-K1"), Plan.parse(PLAN)], tokens=3, batch=1, warmup=0,
+                                 runs=1, seed=0)
+    torch.save(recs, os.path.join(out, f"prefix{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_prefill_records_no_h_s_broadcast_for_a_plan_without_a_prefix(tmp_path):
+    """h_S_broadcast_ms is what replicating the prefix would save: a plan with S = 0 broadcasts no h_S (every rank
+    starts from x0), yet the record timed a broadcast its solve never makes; it is now 0 there, as prefix_ms_rank0."""
+    _spawn(_prefix_worker, 1, str(tmp_path))
+    none, some = torch.load(tmp_path / "prefix0.pt", weights_only=False)
+    assert none["h_S_broadcast_ms"] == none["prefix_ms_rank0"] == 0.0
+    assert some["h_S_broadcast_ms"] > 0.0 and some["prefix_ms_rank0"] > 0.0  # 5xF1 on 6 layers: S = 1
+
+
+def _batch_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from snlp.dist.layer_parallel import DistributedSNLP
+
+    _init(rank, world, port)
+    runner = DistributedSNLP(_model(), PLAN)
+    res = {}
+    for name, prompts in (("lists", [[1, 2, 3], [4]]), ("tensors", [torch.tensor([1, 2]), torch.tensor([3])])):
+        try:
+            runner.generate(prompts, "snlp", max_new_tokens=2)
+            res[name] = "decoded"
+        except ValueError as e:
+            res[name] = str(e)
+    res["one"] = runner.generate([1, 2, 3], "snlp", max_new_tokens=2).tokens  # still decodes: no collective was left
+    torch.save(res, os.path.join(out, f"batch{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_a_list_of_prompts_is_refused_as_a_batch(tmp_path):
+    """The single-process decoders take a list of prompts as a ragged batch; the distributed one decodes one prompt and
+    said "prompt token ids must be integers, got [1, 2, 3] (list)" (the first prompt read as a bad id): it now says it
+    takes one prompt, on every rank before any collective."""
+    from snlp.decode import snlp_generate
+
+    _spawn(_batch_worker, 1, str(tmp_path))
+    res = torch.load(tmp_path / "batch0.pt", weights_only=False)
+    for name in ("lists", "tensors"):
+        assert "distributed decoding takes one prompt (a list of token ids), got a list of 2 prompts" in res[name]
+    assert res["one"] == snlp_generate(_model(), [1, 2, 3], PLAN, 2).tokens

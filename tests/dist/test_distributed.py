@@ -195,6 +195,11 @@ def _mismatch_worker(rank: int, world: int, port: int, out: str) -> None:
         except ValueError as e:
             msgs.append(str(e))
     torch.save(msgs, os.path.join(out, f"rank{rank}.pt"))
+    # a rank that exits with its gloo group alive can abort in the group's threads at interpreter exit (SIGABRT,
+    # "terminate called without an active exception"): the spawn then fails although both ranks saved their messages
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
 
 
 def test_mismatched_plans_or_weights_fail_at_start_up(tmp_path):
@@ -317,6 +322,22 @@ def test_bench_simulate_devices_cli(tmp_path):
                  "--vocab-size", "128", "--plans", "2xF1-h0-K1", "--runs", "2", "--warmup", "1",
                  "--json", str(out)]) == 0  # measured on this CPU
     assert json.loads(out.read_text())[0]["compute"].startswith("measured on cpu")
+
+
+def test_bench_simulate_devices_refuses_a_plan_with_too_few_chunks_before_measuring_any(monkeypatch, tmp_path, capsys):
+    """--simulate-devices 4 --plans 4xF1-h0-K1,2xF1-h0-K1 measured and printed the first plan, then stopped on the
+    second's C < P, writing nothing: every plan is checked before the first is measured."""
+    import snlp.dist.costmodel as costmodel
+    from snlp.apps.cli import main
+
+    measured = []
+    real = costmodel.measure_layer_ms
+    monkeypatch.setattr(costmodel, "measure_layer_ms", lambda *a, **k: measured.append(a) or real(*a, **k))
+    assert main(["bench", "--simulate-devices", "4", "--depth", "4", "--width", "64", "--head-dim", "32",
+                 "--vocab-size", "128", "--plans", "4xF1-h0-K1,2xF1-h0-K1", "--runs", "1", "--warmup", "0"]) == 2
+    out = capsys.readouterr()
+    assert "plan 2xF1-h0-K1 has C = 2 chunks, fewer than the 4 devices" in out.err
+    assert measured == [] and "4xF1-h0-K1 on 4 devices" not in out.out
 
 
 def test_measured_layer_is_the_shapes_layer(monkeypatch):

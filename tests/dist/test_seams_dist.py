@@ -377,6 +377,10 @@ def test_distributed_benchmark_decodes_every_mode_with_the_penalty(tmp_path):
     (["bench", "--distributed", "--depth", "4", "--blocks", "2"],
      "--blocks is not read by `snlp bench --distributed` without --decode"),
     (["bench", "--suite", "paper", "--distributed"], "--distributed is not read by `snlp bench --suite paper`"),
+    # a plan listed twice: every rank refused it after the process group started
+    (["bench", "--distributed", "--depth", "4", "--plans", "4xF1-h0-K1,4xF1-K1"],
+     "--plans lists 4xF1-h0-K1 twice (4xF1-h0-K1 and 4xF1-K1 are one plan)"),
+    (["bench", "--distributed", "--ckpt", "{ckpt}", "--plans", "2xF1-h0-K1,2xF1-K1"], "--plans lists 2xF1-h0-K1 twice"),
     (["bench", "--simulate-devices", "2", "--ckpt", "{ckpt}", "--roofline-gbytes", "100", "--plans", "2xF1-h0-K1"],
      "--ckpt is not read by `snlp bench --simulate-devices"),
     (["bench", "--simulate-devices", "2", "--distributed", "--shape", "3B", "--roofline-gbytes", "100"],
@@ -387,6 +391,22 @@ def test_distributed_benchmark_decodes_every_mode_with_the_penalty(tmp_path):
      "--shape 3B is a whole shape; --depth would change nothing"),
     (["bench", "--simulate-devices", "2", "--shape", "3B", "--roofline-gbytes", "100", "--tokens", "1,4"],
      "--simulate-devices takes one --tokens value (got 1,4)"),
+    # counts and roofline inputs the cost model priced silently (a batch of 0 or -2, a negative bandwidth or floor,
+    # an efficiency above 1), divided by (efficiency 0) or failed on after measuring (--runs 0)
+    (["bench", "--simulate-devices", "2", "--shape", "3B", "--roofline-gbytes", "100", "--batch", "0"],
+     "--batch must be >= 1 (got 0)"),
+    (["bench", "--simulate-devices", "2", "--shape", "3B", "--roofline-gbytes", "100", "--batch", "-2"],
+     "--batch must be >= 1 (got -2)"),
+    (["bench", "--simulate-devices", "2", "--shape", "3B", "--roofline-gbytes", "-100"],
+     "--roofline-gbytes must be a finite memory bandwidth > 0 GB/s"),
+    (["bench", "--simulate-devices", "2", "--shape", "3B", "--roofline-gbytes", "100", "--roofline-efficiency", "0"],
+     "--roofline-efficiency is the fraction of --roofline-gbytes a step reaches: it must lie in (0, 1]"),
+    (["bench", "--simulate-devices", "2", "--shape", "3B", "--roofline-gbytes", "100", "--roofline-efficiency",
+      "1.5"], "it must lie in (0, 1] (got 1.5)"),
+    (["bench", "--simulate-devices", "2", "--shape", "3B", "--roofline-gbytes", "100", "--op-floor-us", "-5"],
+     "--op-floor-us must be a finite number of microseconds >= 0"),
+    (["bench", "--simulate-devices", "2", "--depth", "4", "--runs", "0"], "--runs must be >= 1 and --warmup >= 0"),
+    (["bench", "--simulate-devices", "2", "--depth", "4", "--warmup", "-1"], "--runs must be >= 1 and --warmup >= 0"),
 ])
 def test_distributed_refuses_what_it_cannot_honour(chat_ckpt, argv, msg, capsys, monkeypatch):
     """Refused before any process group is set up (no torchrun environment: a refusal that came later would be the
@@ -828,6 +848,9 @@ def _missing_tensor_worker(rank: int, world: int, port: int, ckpt: str, out: str
     except Exception as e:
         msg = f"{type(e).__name__}: {e}"
     torch.save(msg, os.path.join(out, f"rank{rank}.pt"))
+    import torch.distributed as dist
+
+    dist.destroy_process_group()  # a live gloo group can abort the exiting rank (SIGABRT) and fail the spawn
 
 
 def test_a_tensor_only_one_rank_reads_fails_every_rank_with_its_reason(tmp_path):
