@@ -13,6 +13,7 @@ function of the `Run` (what is trained, built once) and the `LoopState` (what ch
 
 from __future__ import annotations
 
+import functools
 import math
 import signal
 import statistics
@@ -335,6 +336,9 @@ def train_step(run: Run, state: LoopState) -> StepStats:
     # mean (an in-place += into an fp32 zero rounded every micro-batch's CE to fp32)
     ce_sum = torch.zeros((), device=ctx.device)
     reg_sum = torch.zeros((), device=ctx.device)
+    # the DDP shares in the same rule's dtype, the weights' when wider: an fp32 share of an fp64 model rounded its
+    # loss weights (and so the gradients and the logged loss) to fp32 (~1e-8 relative)
+    share_dtype = functools.reduce(torch.promote_types, {p.dtype for p in run.job.model.parameters()}, torch.float32)
     n_tok = 0
     for a in range(cfg.grad_accum):
         x, y, valid = unpack(run.job.batch(state.micro, ctx.rank, ctx.world))
@@ -342,7 +346,7 @@ def train_step(run: Run, state: LoopState) -> StepStats:
         # the tokens a step trains on: a padded batch's real positions (a host-side count, the mask is still on
         # the CPU), so tokens/s and MFU do not count padding (--compile pads every SFT batch to one length)
         n_tok += x.numel() if valid is None else int(valid.sum())
-        share = token_shares(micro_counts(run.job, y, valid), ctx) if ctx.world > 1 else None
+        share = token_shares(micro_counts(run.job, y, valid), ctx, share_dtype) if ctx.world > 1 else None
         x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
         extra = () if valid is None else (valid.to(ctx.device, non_blocking=True),)
         if run.flops_per_token is None:  # once, on the real step's batch (the eager module: the same math);
@@ -389,9 +393,10 @@ def micro_counts(job, y: torch.Tensor, valid: torch.Tensor | None) -> tuple[floa
     return None if valid is None else (float((y != -1).sum()), float(valid.sum()))
 
 
-def token_shares(counts: tuple[float, float] | None, ctx: DistContext) -> torch.Tensor | None:
-    """(2,) this rank's share of a micro-batch's CE tokens and regulariser positions (`micro_counts`, read on the
-    host, where the batch still is), each as count x world / the count over all ranks (one all_reduce of two
+def token_shares(counts: tuple[float, float] | None, ctx: DistContext,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """(2,) `dtype`, this rank's share of a micro-batch's CE tokens and regulariser positions (`micro_counts`, read on
+    the host, where the batch still is), each as count x world / the count over all ranks (one all_reduce of two
     numbers); None when `counts` is. Every rank's mean weighted by its share and averaged over the ranks (DDP's
     gradient average) is the mean over the global batch's tokens; a global count of 0 gives every rank share 0."""
     if counts is None:
@@ -399,7 +404,7 @@ def token_shares(counts: tuple[float, float] | None, ctx: DistContext) -> torch.
     mine = torch.tensor([float(c) for c in counts], dtype=torch.float64, device=ctx.device)
     total = mine.clone()
     dist.all_reduce(total)
-    return (mine * ctx.world / total.clamp(min=1.0)).float()
+    return (mine * ctx.world / total.clamp(min=1.0)).to(dtype)  # computed in fp64, rounded once
 
 
 def unpack(b: tuple) -> tuple:

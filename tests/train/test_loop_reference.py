@@ -138,3 +138,68 @@ def test_the_logged_loss_of_an_fp64_model_is_its_fp64_mean(tmp_path):
             ces.append(-sum(float(v) for v in lp.flatten()) / y.numel())
     ref = sum(ces) / len(ces)
     assert abs(loss - ref) <= 1e-12 * abs(ref), (loss, ref, loss - ref)
+
+
+def ragged(y: torch.Tensor, rank: int) -> torch.Tensor:
+    """Rank 0 keeps the first 5 targets of each row, rank 1 all: the ranks' CE means cover 10 and 32 tokens."""
+    return torch.cat([y[:, :5], torch.full_like(y[:, 5:], -1)], 1) if rank == 0 else y
+
+
+def fp64_ragged_job(*args):
+    """pretrain_job with its model in fp64 and ragged targets counted per rank (Job.counts): under DDP each rank's CE
+    is weighted by its share of the global batch's targets (10 x 2 / 42 and 32 x 2 / 42, not fp32 numbers)."""
+    from snlp.train.pretrain import pretrain_job
+
+    job = pretrain_job(*args)
+    job.model.double()  # in place: the job's step holds this model
+    base = job.batch
+    job.batch = lambda micro, r, w: (lambda x, y: (x, ragged(y, r)))(*base(micro, r, w))
+    job.counts = lambda y, valid: (float((y != -1).sum()), float(y.numel()))
+    return job
+
+
+def _fp64_ddp_rank(rank, world, port, cfg):
+    from conftest import init_gloo
+
+    init_gloo(rank, world, port)
+    fit(cfg, make_job=fp64_ragged_job)
+
+
+@pytest.mark.slow  # two spawned gloo ranks: ~15 s on 2 cores
+def test_an_fp64_ddp_steps_loss_and_gradient_norm_are_the_global_token_means(tmp_path):
+    """Under DDP each rank's CE was weighted by an fp32 share of the global token count, so an fp64 model's gradient
+    and logged loss were rounded to fp32 (~1e-8 relative). Reference: one process, the same init, both ranks'
+    micro-batches with their ragged targets; each micro-batch's CE summed from the fp64 log-softmax over the global
+    batch's kept targets, divided by their count, averaged over the micro-batches; its autograd gradient's norm.
+    Step 1's logged loss and gradient norm agree to fp64 round-off."""
+    from conftest import spawn_ranks
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(SHAKESPEARE.read_text()[:30_000])
+    cfg = TrainConfig(out=str(tmp_path / "run"), data=str(corpus), cache_dir=str(tmp_path / "cache"), depth=2, width=32,
+                      head_dim=16, vocab_size=300, seq_len=16, batch_size=2, grad_accum=2, steps=1, optimizer="adamw",
+                      reg="none", log_every=1, eval_every=100, eval_batches=1, no_progress=True, device="cpu")
+    spawn_ranks(_fp64_ddp_rank, 2, cfg)
+    logged = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    got = next(r for r in logged if r.get("step") == 1 and "loss" in r)
+    tok, tokens = prepare_data(cfg, None, 0, 1)
+    m = GPT(build_config(cfg, tok.vocab_size))
+    m.init_weights(seed=cfg.seed)
+    m = m.double().train()
+    means = []
+    for micro in range(cfg.grad_accum):
+        total, n = 0.0, 0
+        for r in range(2):
+            x, y = D.batch_at(tokens.train, micro, cfg.seq_len, cfg.batch_size, cfg.seed, r, 2)
+            y = ragged(y, r)
+            lp = torch.log_softmax(m(x), -1)  # (B, T, V) fp64
+            for b, t in (y != -1).nonzero().tolist():
+                total = total - lp[b, t, y[b, t]]
+                n += 1
+        assert n == 42
+        means.append(total / n)
+    loss = sum(means) / len(means)
+    loss.backward()
+    norm = torch.sqrt(sum((p.grad ** 2).sum() for p in m.parameters())).item()
+    assert abs(got["loss"] - loss.item()) <= 1e-12 * loss.item(), (got["loss"], loss.item())
+    assert abs(got["grad_norm"] - norm) <= 1e-12 * norm, (got["grad_norm"], norm)
