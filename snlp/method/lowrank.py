@@ -36,11 +36,14 @@ class LowRankDelta(nn.Module):
 
 def check_rank(rank: int, alpha: float | None) -> float:
     """The LoRA alpha to use (default: alpha = rank, scale 1), or a ValueError for a bad rank/alpha."""
-    if not isinstance(rank, int) or rank < 0:
+    # bool is an int: rank=True passed here and failed later in torch.empty (the rule of Plan's counts)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
         raise ValueError(f"--lora-rank must be an integer >= 0 (0: full suffix weights; got {rank!r})")
     if not rank and alpha is not None:  # full suffix weights have no delta to scale: the alpha would be dropped
         raise ValueError(f"--lora-alpha scales LoRA deltas (alpha / R), and --lora-rank 0 trains full suffix weights: "
                          f"give --lora-rank R > 0 or drop --lora-alpha (got {alpha!r})")
+    if isinstance(alpha, bool):  # not a number: alpha=True ran as 1.0
+        raise ValueError(f"--lora-alpha must be a finite number > 0 (got {alpha!r})")
     alpha = float(rank if alpha is None else alpha)
     if rank and not (alpha > 0 and math.isfinite(alpha)):
         raise ValueError(f"--lora-alpha must be a finite number > 0 (got {alpha!r})")

@@ -88,6 +88,9 @@ SAVE_EVERY = 50  # full-weight runs' checkpoint interval when --save-every is no
 # the training settings a --from-model import (no training; validation on the base's device, the CPU) has no use for
 FROM_MODEL_UNUSED = ("lr", "warmup_steps", "warmdown", "grad_clip", "hidden_weight", "kl_weight", "eval_every",
                      "log_every", "stop_after", "seed")
+# the integer settings (counts, sizes, the seed), which `check` refuses as bools
+COUNTS = ("steps", "seq_len", "batch_size", "lora_rank", "warmup_steps", "max_chars", "eval_every", "eval_batches",
+          "save_every", "log_every", "stop_after", "seed", "self_distill", "self_distill_prompts")
 
 @dataclass
 class AdaptConfig:
@@ -138,6 +141,10 @@ class AdaptConfig:
         return 0 if self.lora_rank or self.from_model else SAVE_EVERY if self.save_every is None else self.save_every
 
     def check(self) -> Plan:
+        # bool is an int: steps=True passed into the shared loop as `steps: True` (the rule of Plan's counts)
+        for k in COUNTS:
+            if isinstance(getattr(self, k), bool):
+                raise ValueError(f"--{k.replace('_', '-')} takes an integer, not {getattr(self, k)!r}")
         plan = Plan.parse(self.plan)
         if plan.init == "preheat":  # the solve would refuse it only after the base and data load; ssd_solve's own
             # refusal pointed at --kv own, which takes no calibration either

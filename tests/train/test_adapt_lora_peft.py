@@ -92,6 +92,37 @@ def test_lora_alpha_without_a_lora_rank_is_refused_not_ignored(kw, says):
         make_drafter(make_model(n_layer=4), "2xF1-h0-K1", alpha=16.0)
 
 
+@pytest.mark.parametrize("kw,says", [(dict(rank=True), "--lora-rank must be an integer >= 0 .*got True"),
+                                     (dict(rank=False, alpha=None), "--lora-rank must be an integer >= 0 .*got False"),
+                                     (dict(rank=4, alpha=True), "--lora-alpha must be a finite number > 0 .*got True")])
+def test_a_bool_lora_rank_or_alpha_is_refused_not_read_as_a_number(kw, says):
+    """bool is an int in Python: rank=True passed check_rank and failed later in torch.empty with a TypeError, and
+    alpha=True built a drafter scaling by 1.0. Refused in one line, as Plan refuses a bool count; numbers build."""
+    from snlp.method.lowrank import check_rank
+
+    with pytest.raises(ValueError, match=says) as e:
+        check_rank(kw["rank"], kw.get("alpha"))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=says):
+        make_drafter(make_model(n_layer=4), "2xF1-h0-K1", **kw)
+    d = make_drafter(make_model(n_layer=4), "2xF1-h0-K1", rank=1, alpha=1.0)
+    assert (d.rank, d.alpha) == (1, 1.0)
+
+
+def test_every_integer_setting_of_adapt_refuses_a_bool():
+    """AdaptConfig's integer settings (found here from the dataclass's annotations) passed check() as bools (steps=True
+    reached the shared loop's settings as `steps: True`): each is refused in one line naming its flag."""
+    from snlp.train.adapt import AdaptConfig
+
+    ints = [f.name for f in dataclasses.fields(AdaptConfig) if f.type in ("int", "int | None")]
+    assert {"steps", "lora_rank", "self_distill", "seed"} <= set(ints)
+    for name in ints:
+        for value in (True, False):
+            cfg = AdaptConfig(src="x", plan="2xF1-h0-K1", out="o", **{name: value})
+            with pytest.raises(ValueError, match=f"^--{name.replace('_', '-')} takes an integer, not {value}$"):
+                cfg.check()
+
+
 @pytest.mark.parametrize("flag,value", [("lr", 1e-2), ("warmup_steps", 3), ("warmdown", 0.5), ("grad_clip", 0.5),
                                         ("eval_every", 7), ("log_every", 3), ("seed", 4), ("stop_after", 2),
                                         ("hidden_weight", 2.0), ("kl_weight", 0.5)])
