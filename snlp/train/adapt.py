@@ -36,6 +36,7 @@ import os
 import shutil
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -695,19 +696,21 @@ def _adapt(cfg: AdaptConfig, plan: Plan, hooks, base: tuple, owned: bool, finger
     out = Path(cfg.out)
     held: dict = {}
     model = base[0]
-    flags, mode = [p.requires_grad for p in model.parameters()], model.training
+    flags = [p.requires_grad for p in model.parameters()]
     # a signal fit takes after its last step (the run is saved and done) reaches the caller only once the drafter is
     # written: fit passes it on as it returns, and `--resume` of the finished run, refused, could not write it
     with deferred():
+        # a caller's model leaves as it came: the run froze it, put it in eval mode, and the drafter's train mode
+        # reached the prefix blocks, embedding and head it shares; eval_mode gives every submodule its own mode back
         try:
-            res = fit(train_config(cfg, model.config.n_embd),
-                      adapt_job(cfg, plan, held, base, fingerprint, owned, init[0] if init else None,
-                                init[1] if init else None), hooks)
-        finally:  # a caller's model leaves as it came (the run froze it while it ran)
+            with eval_mode(model) if not owned else nullcontext():
+                res = fit(train_config(cfg, model.config.n_embd),
+                          adapt_job(cfg, plan, held, base, fingerprint, owned, init[0] if init else None,
+                                    init[1] if init else None), hooks)
+        finally:
             if not owned:
                 for p, f in zip(model.parameters(), flags):
                     p.requires_grad_(f)
-                model.train(mode)
         drafter: Drafter = held["drafter"]
         result = AdaptResult(out=str(out), plan=str(plan), kv=cfg.kv, steps=res.steps, tokens=res.tokens,
                              minutes=res.elapsed_s / 60, stopped_by=res.stopped_by, extra_bytes=drafter.extra_bytes(),
@@ -747,9 +750,7 @@ def import_drafter(cfg: AdaptConfig, plan: Plan, loaded: tuple, owned: bool = Tr
     base, tok = loaded
     if cfg.device is not None and torch.device(cfg.device) != base.wte.weight.device:
         base = base.to(cfg.device) if owned else copy.deepcopy(base).to(cfg.device)
-    mode = base.training
-    base.eval()
-    try:  # a caller's model leaves in the mode it came in
+    with eval_mode(base):  # a caller's model leaves with every submodule in the mode it came in
         tuned, _ = load_base(cfg.from_model, cfg.dtype, need_tokenizer=False)  # stays on the CPU: its suffix is copied onto the base's device
         d = drafter_from_model(base, tuned, plan)
         del tuned
@@ -758,8 +759,6 @@ def import_drafter(cfg: AdaptConfig, plan: Plan, loaded: tuple, owned: bool = Tr
         vb = D.val_batches(val, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
         before = validate_drafter(base, make_drafter(base, plan, d.base_fingerprint), vb, cfg, device).record()
         after = validate_drafter(base, d, vb, cfg, device).record()
-    finally:
-        base.train(mode)
     result = AdaptResult(out=cfg.out, plan=str(plan), kv=cfg.kv, steps=0, tokens=0, minutes=0.0,
                          stopped_by="from_model", before=before, after=after, extra_bytes=d.extra_bytes())
     save_drafter(cfg.out, d, {**result.to_dict(), "config": asdict(cfg), "tuned": tuned_split(cfg.from_model)})

@@ -36,7 +36,7 @@ import torch
 import snlp.io.chat as chat
 import snlp.io.data as D
 from snlp.decode.generate import sequential_generate
-from snlp.model.gpt import GPT
+from snlp.model.gpt import GPT, eval_mode
 
 GEN_BATCH = 32  # prompts per batched decode (sorted by length, so a batch's rows pad little) ...
 GEN_TOKENS = 8192  # ... and at most this many cached positions per batch (rows x (longest prompt + N))
@@ -170,12 +170,8 @@ def self_distill_rows(model: GPT, tok, spec: str, val_frac: float, n_tokens: int
             print(f"self-distill: the base decodes {n_tokens} tokens for {len(todo):,} of {len(prompts):,} training "
                   f"prompts{f' ({len(prompts) - len(todo):,} cached)' if len(todo) < len(prompts) else ''}",
                   file=sys.stderr, flush=True)
-        was = model.training
-        model.eval()
-        try:
+        with eval_mode(model):  # every submodule leaves in the mode it came in (a caller's frozen prefix in eval)
             replies = greedy_replies(model, [p for _, p in todo], n_tokens, stops)
-        finally:
-            model.train(was)
         store.update({k: r for (k, _), r in zip(todo, replies)})
         if path:
             write_store(path, store)

@@ -494,12 +494,15 @@ def test_adapt_leaves_the_callers_model_where_and_as_it_was(tmp_path):
     cfg = adapt_cfg(tmp_path, steps=2, device="cpu")
     model, tok = load(cfg.src)
     model.train()
+    model.blocks[0].eval()  # a part the caller keeps in eval mode (the drafter shares this prefix block)
+    modes = {n: m.training for n, m in model.named_modules()}
     before = {n: (p.data_ptr(), p.device, p.requires_grad, p.detach().clone()) for n, p in model.named_parameters()}
     assert all(rg for _, _, rg, _ in before.values())
     res = adapt(cfg, base=(model, tok))
     for n, p in model.named_parameters():
         ptr, dev, rg, val = before[n]
         assert (p.data_ptr(), p.device, p.requires_grad) == (ptr, dev, rg) and torch.equal(p, val), n
+    assert {n: m.training for n, m in model.named_modules()} == modes  # model.train(was) set blocks[0] training
     assert model.training and res.device == "cpu" and res.steps == 2
 
     held: dict = {}

@@ -84,9 +84,12 @@ def test_from_model_drafter_is_measured_on_the_tuned_models_split(tmp_path):
                     cache_dir=str(tmp_path / "cache"), val_frac=0.3))
     model, _ = load(base_dir)
     model.train()
+    model.blocks[1].eval()  # a part the caller keeps in eval mode
+    modes = {n: m.training for n, m in model.named_modules()}
     cfg = adapt_cfg(tmp_path, plan="2xF1-h0-K1", from_model=str(tmp_path / "idn"), **IMPORT)
     adapt(cfg, base=(model, tok))
     assert model.training  # F5
+    assert {n: m.training for n, m in model.named_modules()} == modes  # base.train(mode) set blocks[1] training
     from snlp.eval.drafter import drafter_prompts, drafter_split, held_out_tokens
 
     rec = load_record(cfg.out)

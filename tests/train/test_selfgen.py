@@ -155,3 +155,34 @@ def test_a_part_named_twice_counts_twice_and_held_out_twins_are_left_out(tmp_pat
     parts, twins = SG.training_prompts(f"chat:{path2}", tok, 0.2)
     opening = tok.render_chat(kept[3][:1], add_generation_prompt=True)[0]
     assert twins == 1 and opening not in parts[0][1]
+
+
+def test_the_bases_submodules_leave_the_decode_in_the_modes_they_came_in(tmp_path, monkeypatch):
+    """The replies are decoded in eval mode; afterwards `model.train(was)` set every submodule to the top-level mode, so
+    a caller's block kept in eval mode left training. Each submodule's own mode is kept, after a decode and after a
+    decode that raised."""
+    base_dir, _, _ = tiny_ckpt(tmp_path)
+    model, tok = load(base_dir)
+    model.train()
+    model.blocks[0].eval()
+    modes = {n: m.training for n, m in model.named_modules()}
+    path, _ = chat_file(tmp_path)
+    seen = []
+    decode = SG.greedy_replies
+
+    def watched(m, *a, **k):
+        seen.append(any(x.training for x in m.modules()))
+        return decode(m, *a, **k)
+
+    monkeypatch.setattr(SG, "greedy_replies", watched)
+    g = SG.self_distill_rows(model, tok, f"chat:{path}", 0.2, 3, weights_fingerprint(model))
+    assert g.generated > 0 and seen == [False]  # decoded with every submodule in eval mode
+    assert {n: m.training for n, m in model.named_modules()} == modes
+
+    def fail(*a, **k):
+        raise RuntimeError("decode failed")
+
+    monkeypatch.setattr(SG, "greedy_replies", fail)
+    with pytest.raises(RuntimeError, match="decode failed"):
+        SG.self_distill_rows(model, tok, f"chat:{path}", 0.2, 3, weights_fingerprint(model))
+    assert {n: m.training for n, m in model.named_modules()} == modes
