@@ -474,6 +474,7 @@ def run_drafter_eval(args, model, tok, device) -> int:
         write_json(args.json, [{**r.to_dict(), "load": window.to_json()} for r in rows])
     if args.markdown:
         write_atomic(args.markdown, table + "\n")
+        print(f"wrote {args.markdown}")  # as the LM metrics' --markdown and write_json's --json say theirs
     if args.json or args.markdown:
         args.finished = complete_in([p for p in (args.json, args.markdown) if p])
     return 0
