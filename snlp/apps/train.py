@@ -201,12 +201,22 @@ def check_reg_flags(reg: str, given) -> None:
 def check_hc_flags(cfg, saved_init_from, given) -> None:
     """Refuse --hc-static or --hc-lr typed for a plain-residual model, in one line before any work: without
     --hc-streams the model has no H coefficients, so the run trained the plain model and said nothing. A model from a
-    checkpoint (--init-from, or a resumed run that started from one) has the streams of that checkpoint, which may be
-    an mHC model's: --hc-lr then sets its H group (--hc-static, a shape flag, is refused beside it already)."""
+    checkpoint (--init-from, or a resumed run that started from one) has the streams of that checkpoint, read from its
+    config: an mHC model's takes --hc-lr for its H group, a plain one's is refused alike (--hc-static, a shape flag,
+    is refused beside it already)."""
     typed = [d for d in ("hc_static", "hc_lr") if d in (given or ())]
-    if not typed or cfg.hc_streams > 0 or cfg.init_from or saved_init_from:
+    if not typed or cfg.hc_streams > 0:
         return
     names = " and ".join("--" + d.replace("_", "-") for d in typed)
+    if src := cfg.init_from or saved_init_from:  # the checkpoint's own streams: its config says (snlp checkpoints;
+        # another kind is left to the loader, which reads its config when the weights load)
+        from snlp.io.checkpoint import is_snlp_checkpoint, load_config
+
+        if not is_snlp_checkpoint(src) or load_config(src).hc_streams > 0:
+            return
+        raise ValueError(f"{names} {'sets' if len(typed) == 1 else 'set'} the mHC residual streams' H coefficients, "
+                         f"and the model of --init-from {src} has none (a plain-residual model): drop "
+                         f"{'it' if len(typed) == 1 else 'them'}")
     raise ValueError(f"{names} {'sets' if len(typed) == 1 else 'set'} the mHC residual streams' H coefficients, and "
                      f"this model has none (--hc-streams 0): give --hc-streams N (N >= 1), or drop "
                      f"{'it' if len(typed) == 1 else 'them'}")

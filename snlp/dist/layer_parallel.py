@@ -70,6 +70,7 @@ from torch import Tensor
 
 from snlp.model.cache import KVCache, check_cache_fits
 from snlp.method.fusion import ChunkWeights, build_chunk_weights, chunk_forward, full_causal
+from snlp.method.jacobian import check_fd_step
 from snlp.model.gpt import GPT, check_keep
 from snlp.method.surrogates import SURROGATES, Iterate
 from snlp.method.plan import Plan
@@ -310,6 +311,8 @@ class DistributedSNLP:
             raise ValueError("DistributedSNLP needs an initialised process group (snlp.dist.layer_parallel.init_distributed)")
         plan = as_plan(model, plan)
         check_distributable(plan, model.config)
+        w = model.wte.weight  # a diag:fd eps below the dtype's FD step floor, refused as solve and bind refuse it
+        check_fd_step(plan, w.dtype, w.device.type)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.last = self.world - 1
         self.plan, self.model, self.keep_layers = plan, model, keep_layers

@@ -7,6 +7,7 @@ from snlp.eval.mc import (SEQ, MCConfig, MCResult, diverged_record, predict_lett
                           score)
 from snlp.eval.mc_harness import evaluate_harness
 from snlp.io.mctasks import Question, load_task
+from snlp.method.jacobian import check_fd_step
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
 from snlp.method.solver import SNLPDivergenceError
@@ -24,8 +25,10 @@ def evaluate_mc(model: GPT, tokenizer, cfg: MCConfig, questions: list[Question] 
     if cfg.limit:
         qs = qs[:cfg.limit]
     plans = [Plan.parse(p) if isinstance(p, str) else p for p in cfg.plans]
+    w = model.wte.weight  # (a diag:fd eps this dtype cannot take: before the sequential forward is scored)
     for p in plans:
         p.check(model.config.n_layer)
+        check_fd_step(p, w.dtype, w.device.type)
     max_len = cfg.max_len or model.config.sequence_len
     if cfg.scoring == "harness":
         return evaluate_harness(model, tokenizer, cfg, qs, plans, max_len, preheat, on_record)

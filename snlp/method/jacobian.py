@@ -92,8 +92,9 @@ def row_probes(P: int, x: Tensor, gen: torch.Generator | None = None, chunks: in
 
 
 def compute_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
-    """The dtype the chunk forward computes in: the autocast dtype where autocast is on, else `dtype`."""
-    if dtype.is_floating_point and torch.is_autocast_enabled(device_type):
+    """The dtype the chunk forward computes in: the autocast dtype where autocast is on, else `dtype`. A `meta` model
+    (DistributedSNLP's, before a rank's checkpoint fills it) computes nothing and has no autocast state to ask."""
+    if dtype.is_floating_point and device_type != "meta" and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return dtype
 

@@ -15,3 +15,9 @@ def autocast_context(device) -> Callable[[], ContextManager]:
     if torch.device(device).type == "cuda":
         return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
     return nullcontext
+
+
+def step_dtype(device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the training step's forward computes in on `device` for weights of `dtype`: bf16 under
+    `autocast_context`'s CUDA autocast, else the weights' own."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" and dtype.is_floating_point else dtype

@@ -15,10 +15,12 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import torch
 import torch.nn.functional as F
 
 import snlp.io.chat as chat
 from snlp.io.checkpoint import load, load_train_state
+from snlp.method.jacobian import check_fd_step
 from snlp.method.plan import Plan
 from snlp.model.fingerprint import same_weights, weights_fingerprint
 from snlp.train.checkpointing import check_resume_command
@@ -27,7 +29,7 @@ from snlp.train.compiled import check_compile
 from snlp.train.distributed import rank0_first
 from snlp.train.hooks import TrainHooks
 from snlp.train.job import Job, TrainStep, reg_config
-from snlp.train.precision import autocast_context
+from snlp.train.precision import autocast_context, step_dtype
 from snlp.train.regularizer import RegConfig
 from snlp.train.pretrain import init_from_checkpoint
 from snlp.train.trainer import fit
@@ -62,6 +64,9 @@ def sft_job(scfg: SFTConfig, base_fingerprint: str | None = None):
             model, tok = init_from_checkpoint(scfg.ckpt)
             base_fp = weights_fingerprint(model)  # of the weights the run starts from, before any step
         plan = None if scfg.plan() is None else scfg.plan().check_model(model.config)
+        if plan is not None:  # a diag:fd eps the step's dtype cannot take (bf16 on CUDA): before the data is read,
+            # not at the first step's solve
+            check_fd_step(plan, step_dtype(device, model.wte.weight.dtype), torch.device(device).type)
         max_len = min(cfg.seq_len, model.config.sequence_len) + 1
         convs = rank0_first(lambda: chat.load_conversations(scfg.data, scfg.max_conversations), rank, world)
         examples = chat.render(convs, tok, max_len)

@@ -360,3 +360,34 @@ def test_measured_layer_is_the_shapes_layer(monkeypatch):
         built.clear()
         costmodel.measure_layer_ms(shape, Plan.parse("2xF1-h0-K1"), 2, warmup=0, runs=1)
         assert built and built[0] == shape.layer_params, (shape, built)
+
+
+def _fd_floor_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from snlp.dist.layer_parallel import DistributedSNLP
+
+    _init(rank, world, port)
+    model = make_model(seed=1, n_layer=4, dtype=torch.float32)
+    said = {}
+    for eps in ("1e-5", "0.000346"):
+        try:
+            DistributedSNLP(model, f"3xF1-h0-K2-diag-eps:{eps}")
+            said[eps] = None
+        except ValueError as e:
+            said[eps] = str(e)
+    torch.save(said, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_distributed_refuses_an_fd_eps_below_the_dtype_floor_as_solve_does(tmp_path):
+    """solve and bind refuse a written diag:fd eps below sqrt(machine eps) of the compute dtype (fd_step would take
+    the floor instead: on fp32, eps:1e-5 and eps:1e-4 are one computation under two names). DistributedSNLP ran such
+    a plan, bit for bit the floor's result; every rank now refuses it at construction with solve's message, and the
+    smallest eps the message suggests runs."""
+    _spawn(_fd_floor_worker, 2, str(tmp_path))
+    for rank in range(2):
+        said = torch.load(tmp_path / f"rank{rank}.pt")
+        assert said["1e-5"] is not None and "eps:1e-05 is below the smallest FD step of the compute dtype float32" \
+            in said["1e-5"], said
+        assert said["0.000346"] is None

@@ -531,3 +531,13 @@ def test_the_jvp_runs_with_inference_mode_off_and_is_exact_under_it():
         got = jvp(f, xi, ti)
     assert seen and not any(seen)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_the_fd_step_check_takes_a_meta_model():
+    """DistributedSNLP checks a diag:fd eps against the model's dtype before a rank's checkpoint fills its meta-device
+    weights: torch has no autocast state for 'meta' (RuntimeError 'unknown device type for autocast'), so the check
+    answers for the dtype alone, as for any model outside autocast."""
+    plan = Plan.parse("3xF1-h0-K2-diag-eps:1e-5")
+    with pytest.raises(ValueError, match="compute dtype float32"):
+        S.check_fd_step(plan, torch.float32, "meta")
+    S.check_fd_step(plan, torch.float64, "meta")  # fp64's floor 1.5e-8: the eps runs

@@ -897,3 +897,23 @@ def test_sft_grid_refuses_a_bad_mc_limit_before_training(tmp_path, capsys):
                  "--batch-size", "2", "--seq-len", "32", "--no-progress", "--device", "cpu"]) == 2
     assert "--mc-limit must be >= 0" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_forward_plan_fd_eps_below_the_step_dtype_floor_is_refused_before_the_data(tmp_path):
+    """The SFT step computes under bf16 autocast on CUDA (snlp.train.precision), where diag:fd's step is at least
+    0.088: a --forward plan with eps:0.01 was refused by solve only at the first step, after the conversations were
+    read and rendered. The job refuses it before the data is read (the data here does not exist, so the loader's
+    error is what a job that gets past the check raises); on CPU, fp32, eps:0.01 passes the check."""
+    from conftest import text_checkpoint
+
+    from snlp.train.config import TrainConfig
+    from snlp.train.sft import SFTConfig, sft_job
+
+    ckpt, _, _ = text_checkpoint(tmp_path)
+    cfg = TrainConfig(out=str(tmp_path / "out"), device="cpu")
+    scfg = SFTConfig(ckpt=str(ckpt), data=str(tmp_path / "missing.jsonl"), train=cfg, forward="2xF1-h0-K2-diag-eps:0.01")
+    with pytest.raises(ValueError, match=r"eps:0.01 is below the smallest FD step of the compute dtype bfloat16"):
+        sft_job(scfg)(cfg, None, None, 0, 1, torch.device("cuda"))
+    with pytest.raises(Exception) as e:
+        sft_job(scfg)(cfg, None, None, 0, 1, torch.device("cpu"))
+    assert "FD step" not in str(e.value) and "missing.jsonl" in str(e.value)

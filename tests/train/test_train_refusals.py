@@ -119,6 +119,31 @@ def test_mhc_flags_without_mhc_streams_are_refused_not_ignored(flags, corpus, tm
     assert (out / "model.safetensors").is_file()
 
 
+def test_hc_lr_for_a_plain_init_from_checkpoint_is_refused_not_ignored(tmp_path, capsys):
+    """--hc-lr sets the mHC streams' H coefficients; a model from --init-from has its checkpoint's streams, and the
+    check let every --init-from run through, so a plain checkpoint's run trained without any H group and said
+    nothing. Refused in one line before any work from its config; an mHC checkpoint's --hc-lr runs."""
+    from conftest import make_model, text_checkpoint
+
+    from snlp.io.checkpoint import load, save_checkpoint
+
+    plain, corpus, _ = text_checkpoint(tmp_path)
+    tok = load(plain)[1]
+    mhc = save_checkpoint(tmp_path / "mhc", make_model(seed=3, dtype=torch.float32, vocab_size=tok.vocab_size,
+                                                       n_layer=4, n_embd=32, sequence_len=128, hc_streams=2),
+                          tokenizer=tok)
+    tune = ["train", "--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), "--seq-len", "16",
+            "--batch-size", "2", "--steps", "1", "--eval-batches", "1", "--no-progress", "--device", "cpu",
+            "--hc-lr", "0.1"]
+    capsys.readouterr()
+    assert main([*tune, "--init-from", str(plain), "--out", str(tmp_path / "ft")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--hc-lr" in err and "has none" in err, err
+    assert not (tmp_path / "ft").exists() and not (tmp_path / "cache").exists()
+    assert main([*tune, "--init-from", str(mhc), "--out", str(tmp_path / "ft2")]) == 0
+    assert load(tmp_path / "ft2")[0].config.hc_streams == 2
+
+
 def test_init_from_windows_past_the_checkpoints_context_are_refused(corpus, tmp_path, capsys):
     """`snlp train --init-from CKPT --seq-len T` with T above CKPT's sequence_len trained windows of T positions,
     while the fine-tuned model kept CKPT's context (its KV cache holds sequence_len positions): positions it never
