@@ -75,12 +75,19 @@ import json, sys
 from pathlib import Path
 out, parts = sys.argv[1], sys.argv[2].split(",")
 status = {p: Path(out, "parts", f"{p}.status.json") for p in parts}
-missing = [p for p, f in status.items() if not f.exists()]
-bad = [json.loads(f.read_text()) for f in status.values() if f.exists()]
-bad = [s for s in bad if s["rc"] != 0]
+got = {p: json.loads(f.read_text()) for p, f in status.items() if f.exists()}
+# a status with rc null is a part the campaign skipped (gpu_campaign.sh's NOT RUN: e.g. a signal stopped it first)
+missing = {p: got[p].get("not_run", "") if p in got else "" for p in parts if p not in got or got[p]["rc"] is None}
+bad = [s for p, s in got.items() if p not in missing and s["rc"] != 0]
+
+
+def why(s: dict) -> str:
+    return f"stopped by {s['stopped']}" if s.get("stopped") else f"the traceback is in {out}/log.txt"
+
+
 print(f"torch_compat: {len(parts) - len(missing)} of the campaign's {len(parts)} parts ran at smoke size, "
-      f"{len(bad)} failed" + "".join(f"\n  {s['part']}: rc {s['rc']} (the traceback is in {out}/log.txt)" for s in bad)
-      + "".join(f"\n  {p}: did not run (see {out}/log.txt)" for p in missing))
+      f"{len(bad)} failed" + "".join(f"\n  {s['part']}: rc {s['rc']} ({why(s)})" for s in bad)
+      + "".join(f"\n  {p}: did not run ({w or 'see ' + out + '/log.txt'})" for p, w in missing.items()))
 sys.exit(1 if bad or missing else 0)
 EOF
 rc=$?

@@ -781,6 +781,12 @@ def _f(x, fmt: str) -> str:
     return "–" if x is None else format(x, fmt)
 
 
+def _share(x) -> str:
+    """A Top-1 or acceptance cell: fmt_fraction's digits, and the table's own "–" where there is none (an SNLP
+    candidate has no acceptance; fmt_fraction's missing mark is the reports' "-")."""
+    return "–" if x is None else fmt_fraction(x)
+
+
 def table(result: TuneResult, goal: str, measured_only: bool = True) -> list[str]:
     """The markdown table of one goal, measured rows by measured tokens/s (best first), then (unless
     `measured_only`) the predicted-only rows: `>` marks the pick, `*` the shortlist, `P` the SNLP Pareto front
@@ -794,12 +800,12 @@ def table(result: TuneResult, goal: str, measured_only: bool = True) -> list[str
     cols = ["", "plan", "B", "thr", "comp", "Top-1", "dPPL", "s", "paper ideal", "calib alpha", "pred tok/rnd",
             "pred x", "pred tok/s", "meas s", "meas x", "noise", "tok/s", "alpha", "meas tok/rnd", "= seq"]
     body = [[("> " if c is pick else "") + ("*" if c.shortlisted else "") + ("P" if id(c) in front else ""),
-             f"`{c.plan}`", _f(c.block, "d"), str(c.threads), "yes" if c.compiled else "no", fmt_fraction(c.top1),
-             dppl_cell(c.delta_ppl), f"{c.s:.2f}", _f(c.ideal_ssd_speedup, ".2f"), fmt_fraction(c.accept_alpha),
+             f"`{c.plan}`", _f(c.block, "d"), str(c.threads), "yes" if c.compiled else "no", _share(c.top1),
+             dppl_cell(c.delta_ppl), f"{c.s:.2f}", _f(c.ideal_ssd_speedup, ".2f"), _share(c.accept_alpha),
              _f(c.predicted_tokens_per_round, ".2f"), f"{c.predicted_speedup:.2f}", f"{c.predicted_tokens_per_s:.0f}",
              _f(c.measured_s, ".2f"), _f(c.measured_speedup, ".2f") + tie_mark(c.round_speedups),
              "–" if c.noise is None else f"±{c.noise:.1%}",
-             _f(c.tokens_per_s, ".0f"), fmt_fraction(c.alpha),
+             _f(c.tokens_per_s, ".0f"), _share(c.alpha),
              _f(c.tokens_per_round, ".2f"), {None: "–", True: "yes", False: "NO"}[c.matches_sequential]] for c in rows]
     lines = markdown_table(cols, body)
     if any(c.measured and c.round_speedups and paired_verdict(c.round_speedups)[0] == "tie" for c in rows):

@@ -401,15 +401,20 @@ def stop_set(eos_id, vocab_size: int | None = None) -> frozenset[int]:
         return frozenset()
     # an int or a list of them, as transformers' generate(eos_token_id=) takes; a tensor or array as those are:
     # 0-d one id (generate unsqueezes it), 1-D a list. A 0-d tensor has __iter__ but cannot be iterated
+    # An iterator (a generator, iter(list)) is refused: the input checks read it once and the session again, which
+    # then saw none and decoded past every stop id. A bool (True, or one inside a list) is no id either.
     ndim = getattr(eos_id, "ndim", None)
     try:
-        if ndim is not None and ndim > 1 or str(getattr(eos_id, "dtype", "")) in ("torch.bool", "bool"):
+        if ndim is not None and ndim > 1 or str(getattr(eos_id, "dtype", "")) in ("torch.bool", "bool") \
+                or hasattr(eos_id, "__next__"):
             raise TypeError("not one id or a list of ids")
-        ids = [operator.index(eos_id)] if ndim == 0 or not hasattr(eos_id, "__iter__") else \
-            [operator.index(i) for i in eos_id]
+        many = ndim != 0 and hasattr(eos_id, "__iter__")
+        if any(isinstance(i, bool) for i in (eos_id if many else [eos_id])):
+            raise TypeError("a bool is no id")
+        ids = [operator.index(i) for i in eos_id] if many else [operator.index(eos_id)]
     except TypeError:
         ids = [-1]
-    if any(i < 0 for i in ids) or isinstance(eos_id, bool):
+    if any(i < 0 for i in ids):
         raise ValueError(f"eos_id must be a token id or a list of token ids >= 0 (got {eos_id!r:.80})")
     if vocab_size is not None and any(i >= vocab_size for i in ids):
         raise ValueError(f"eos_id {eos_id!r} holds ids outside the model's vocabulary [0, {vocab_size}): decoding "

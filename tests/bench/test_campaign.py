@@ -423,3 +423,27 @@ def test_a_signal_just_before_a_part_starts_stops_that_part(tmp_path):
     table = (tmp_path / "c" / "campaign.md").read_text()
     assert "- part attn: rc 143 in " in table and "(STOPPED by SIGTERM)" in table, table
     assert "- part host: NOT RUN (the campaign was stopped by SIGTERM)" in table
+
+
+def test_torch_compats_summary_counts_a_part_the_campaign_did_not_run_as_not_run(tmp_path):
+    """scripts/torch_compat.sh's summary of a campaign a signal stopped: a part named NOT RUN (its status has rc null)
+    was counted among the parts that ran and listed as failed with 'rc None (the traceback is in ...)'; it is now
+    counted as not run, with the campaign's reason, and a part the signal stopped says so instead of a traceback."""
+    import re
+
+    text = (ROOT / "scripts" / "torch_compat.sh").read_text()
+    summary = re.search(r"python3 - \"\$OUT\" \"\$PARTS\" <<'EOF'\n(.*?)\nEOF\n", text, re.S).group(1)
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    for s in ({"part": "attn", "rc": 0, "seconds": 3},
+              {"part": "profile", "rc": 143, "seconds": 2, "last_line": "Terminated", "stopped": "SIGTERM"},
+              {"part": "host", "rc": None, "seconds": 0, "not_run": "the campaign was stopped by SIGTERM"}):
+        (parts / f"{s['part']}.status.json").write_text(json.dumps(s))
+    out = subprocess.run(["python3", "-c", summary, str(tmp_path), "attn,profile,host,flex"], capture_output=True,
+                         text=True)
+    assert out.returncode == 1, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "torch_compat: 2 of the campaign's 4 parts ran at smoke size, 1 failed", lines
+    assert "  profile: rc 143 (stopped by SIGTERM)" in lines, lines
+    assert "  host: did not run (the campaign was stopped by SIGTERM)" in lines, lines
+    assert f"  flex: did not run (see {tmp_path}/log.txt)" in lines, lines

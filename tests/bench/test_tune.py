@@ -550,3 +550,17 @@ def test_a_top1_or_alpha_below_one_never_prints_as_one(model):
                if "2xF1-h0-K1" in line)
     cells = [c.strip() for c in row.split("|")]
     assert cells[6] == "0.9995" and cells[10] == "0.9996" and cells[18] == "1.000", cells
+
+
+def test_a_missing_share_is_the_tables_own_dash(model):
+    """An SNLP candidate has no acceptance (calib alpha, alpha None): those cells printed fmt_fraction's "-" in a
+    table whose every other missing cell is "–", so the snlp goal's table mixed two marks for one thing."""
+    from snlp.bench.tune import _result
+
+    a = _cand("2xF1-h0-K1", [1.4, 1.5, 1.6, 1.45, 1.55, 1.5])
+    a.goal, a.accept_alpha, a.alpha, a.tokens_per_round, a.ideal_ssd_speedup = "snlp", None, None, None, None
+    row = next(line for line in table(_result(model, TuneConfig(), [], [], [], [a], 0.0, 0.0), "snlp")
+               if "2xF1-h0-K1" in line)
+    cells = [c.strip() for c in row.split("|")]
+    assert cells[9] == cells[10] == cells[18] == cells[19] == "–", cells
+    assert cells[6] == "0.900", cells

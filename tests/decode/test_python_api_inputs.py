@@ -309,3 +309,23 @@ def test_a_0d_tensor_eos_id_stops_where_its_int_does_and_a_2d_one_is_refused(mod
         with pytest.raises(ValueError, match="eos_id must be a token id") as err:
             dec(model, prompt, max_new_tokens=8, eos_id=bad)
         assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_an_iterator_or_bool_eos_id_is_refused_not_decoded_past(model, monkeypatch, name):
+    """A generator or iter() eos_id was read by the input checks and again by the session, which then found no stop
+    id: decoding ran past eos (the full-forward greedy loop stops there), silently. A bool inside a list ran as the
+    id 0 or 1. Each is refused in one line before any forward; a tuple, set or range of ids stops as the list does."""
+    dec = DECODERS[name]
+    prompt = [3, 1, 4, 1, 5]
+    free = argmax_loop(model, prompt, 8)
+    eos = free[3]
+    want = dec(model, prompt, max_new_tokens=8, eos_id=[eos]).tokens
+    assert want == argmax_loop(model, prompt, 8, eos) or name == "snlp"
+    for form in ((eos,), {eos}, range(eos, eos + 1)):
+        assert dec(model, prompt, max_new_tokens=8, eos_id=form).tokens == want, form
+    _no_forward(model, monkeypatch)
+    for bad in ((i for i in [eos]), iter([eos]), [True], [eos, False]):
+        with pytest.raises(ValueError, match="eos_id must be a token id") as err:
+            dec(model, prompt, max_new_tokens=8, eos_id=bad)
+        assert "\n" not in str(err.value)
