@@ -75,6 +75,7 @@ from snlp.model.gpt import GPT, check_keep
 from snlp.method.surrogates import SURROGATES, Iterate
 from snlp.method.plan import Plan
 from snlp.method.scan import affine_scan
+from snlp.decode.batch import is_batch
 from snlp.decode.penalty import check_repetition_penalty
 from snlp.decode.session import (DecodeSession, GenerateResult, Sampling, check_decode_args, check_picked,
                                  check_stream, make_generator, pooled_alpha, sampling)
@@ -606,9 +607,10 @@ class DistributedSNLP:
         single-process round does; the other ranks learn the tokens from the broadcast, as without a penalty."""
         if mode not in ("snlp", "sequential", "speculative"):
             raise ValueError(f"unknown distributed decoding mode {mode!r}: valid modes are snlp, sequential, speculative")
-        if isinstance(prompt_ids, (list, tuple)) and any(isinstance(p, (list, tuple, Tensor)) for p in prompt_ids):
+        if isinstance(prompt_ids, (list, tuple)) and is_batch(prompt_ids):
             # the single-process decoders take a batch as a list of prompts; every rank refuses one alike, before any
-            # collective (DecodeSession said "token ids must be integers", naming the first prompt as a bad id)
+            # collective (DecodeSession said "token ids must be integers", naming the first prompt as a bad id). A list
+            # of 0-d tensors is one prompt of ids there (is_batch) and here
             raise ValueError(f"distributed decoding takes one prompt (a list of token ids), got a list of "
                              f"{len(prompt_ids)} prompts: decode them one at a time (batched decoding of a list of "
                              f"prompts is single-process: snlp_generate, speculative_generate)")

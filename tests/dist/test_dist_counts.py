@@ -251,6 +251,8 @@ def _batch_worker(rank: int, world: int, port: int, out: str) -> None:
         except ValueError as e:
             res[name] = str(e)
     res["one"] = runner.generate([1, 2, 3], "snlp", max_new_tokens=2).tokens  # still decodes: no collective was left
+    # a list of 0-d tensors is one prompt (is_batch and DecodeSession read each as an id): decoded, not refused
+    res["scalars"] = runner.generate(list(torch.tensor([1, 2, 3])), "snlp", max_new_tokens=2).tokens
     torch.save(res, os.path.join(out, f"batch{rank}.pt"))
     dist.destroy_process_group()
 
@@ -266,3 +268,4 @@ def test_a_list_of_prompts_is_refused_as_a_batch(tmp_path):
     for name in ("lists", "tensors"):
         assert "distributed decoding takes one prompt (a list of token ids), got a list of 2 prompts" in res[name]
     assert res["one"] == snlp_generate(_model(), [1, 2, 3], PLAN, 2).tokens
+    assert res["scalars"] == snlp_generate(_model(), list(torch.tensor([1, 2, 3])), PLAN, 2).tokens == res["one"]
