@@ -409,7 +409,9 @@ def stop_set(eos_id, vocab_size: int | None = None) -> frozenset[int]:
                 or hasattr(eos_id, "__next__"):
             raise TypeError("not one id or a list of ids")
         many = ndim != 0 and hasattr(eos_id, "__iter__")
-        if any(isinstance(i, bool) for i in (eos_id if many else [eos_id])):
+        # a 0-d bool tensor inside a list is a bool as True is (operator.index reads it as 0 or 1)
+        if any(isinstance(i, bool) or str(getattr(i, "dtype", "")) in ("torch.bool", "bool")
+               for i in (eos_id if many else [eos_id])):
             raise TypeError("a bool is no id")
         ids = [operator.index(i) for i in eos_id] if many else [operator.index(eos_id)]
     except TypeError:

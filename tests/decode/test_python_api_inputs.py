@@ -325,7 +325,9 @@ def test_an_iterator_or_bool_eos_id_is_refused_not_decoded_past(model, monkeypat
     for form in ((eos,), {eos}, range(eos, eos + 1)):
         assert dec(model, prompt, max_new_tokens=8, eos_id=form).tokens == want, form
     _no_forward(model, monkeypatch)
-    for bad in ((i for i in [eos]), iter([eos]), [True], [eos, False]):
+    # a 0-d bool tensor or numpy bool inside a list is a bool too (a bare one, of bool dtype, is refused already)
+    for bad in ((i for i in [eos]), iter([eos]), [True], [eos, False], [torch.tensor(True)], [eos, torch.tensor(False)],
+                [np.True_]):
         with pytest.raises(ValueError, match="eos_id must be a token id") as err:
             dec(model, prompt, max_new_tokens=8, eos_id=bad)
         assert "\n" not in str(err.value)
