@@ -448,6 +448,13 @@ def run_bench(args, spec: ModelSpec, unread_flags) -> int:
     # a plan listed twice (parse_plans refuses it) and a K beyond the exact count (it warns and caps it): said here,
     # before the process group starts (every rank refused a duplicate after it had), not again by the rank's parse
     parse_plans(args.plans, RankCheckpoint(spec.ckpt).config.n_layer if spec.ckpt else spec.depth)
+    # a diag:fd eps below the FD step floor of the dtype every rank builds its model in (_run_bench_ranked's): each
+    # rank's DistributedSNLP refused it only at that plan's turn, after the plans before it were timed
+    from snlp.method.jacobian import check_fd_step
+
+    device = cli_device(args.device)
+    for p in plans:
+        check_fd_step(p, getattr(torch, cli_dtype(args.dtype, device)), device.type)
     return _run_ranked("bench", args, lambda rank, world, device, cores: _run_bench_ranked(args, spec, rank, world,
                                                                                             device, cores))
 

@@ -381,6 +381,12 @@ def test_distributed_benchmark_decodes_every_mode_with_the_penalty(tmp_path):
     (["bench", "--distributed", "--depth", "4", "--plans", "4xF1-h0-K1,4xF1-K1"],
      "--plans lists 4xF1-h0-K1 twice (4xF1-h0-K1 and 4xF1-K1 are one plan)"),
     (["bench", "--distributed", "--ckpt", "{ckpt}", "--plans", "2xF1-h0-K1,2xF1-K1"], "--plans lists 2xF1-h0-K1 twice"),
+    # a diag:fd eps below the dtype's FD step floor: each rank's DistributedSNLP refused it at that plan's turn, after
+    # the process group started and the plans before it were timed
+    (["bench", "--distributed", "--depth", "4", "--plans", "4xF1-h0-K1,4xF1-h0-K1-diag:fd-eps:1e-5"],
+     "eps:1e-05 is below the smallest FD step of the compute dtype float32"),
+    (["bench", "--distributed", "--ckpt", "{ckpt}", "--plans", "2xF1-h0-K1,2xF1-h0-K1-diag:fd-eps:1e-5"],
+     "eps:1e-05 is below the smallest FD step of the compute dtype float32"),
     (["bench", "--simulate-devices", "2", "--ckpt", "{ckpt}", "--roofline-gbytes", "100", "--plans", "2xF1-h0-K1"],
      "--ckpt is not read by `snlp bench --simulate-devices"),
     (["bench", "--simulate-devices", "2", "--distributed", "--shape", "3B", "--roofline-gbytes", "100"],
