@@ -210,8 +210,12 @@ def check_hc_flags(cfg, saved_init_from, given) -> None:
     names = " and ".join("--" + d.replace("_", "-") for d in typed)
     if src := cfg.init_from or saved_init_from:  # the checkpoint's own streams: its config says (snlp checkpoints;
         # another kind is left to the loader, which reads its config when the weights load)
-        from snlp.io.checkpoint import is_snlp_checkpoint, load_config
+        from snlp.io.checkpoint import checkpoint_dir, is_snlp_checkpoint, load_config
 
+        try:  # the directory the loader reads: a file inside it (model.safetensors, config.json) or a ~ path names it
+            src = checkpoint_dir(src)
+        except (OSError, ValueError):  # no checkpoint there: the loader says so in its own words
+            return
         if not is_snlp_checkpoint(src) or load_config(src).hc_streams > 0:
             return
         raise ValueError(f"{names} {'sets' if len(typed) == 1 else 'set'} the mHC residual streams' H coefficients, "

@@ -136,9 +136,11 @@ def test_hc_lr_for_a_plain_init_from_checkpoint_is_refused_not_ignored(tmp_path,
             "--batch-size", "2", "--steps", "1", "--eval-batches", "1", "--no-progress", "--device", "cpu",
             "--hc-lr", "0.1"]
     capsys.readouterr()
-    assert main([*tune, "--init-from", str(plain), "--out", str(tmp_path / "ft")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "--hc-lr" in err and "has none" in err, err
+    # the checkpoint by its directory or by a file inside it, both of which --init-from loads (checkpoint_dir)
+    for src in (plain, Path(plain) / "model.safetensors", Path(plain) / "config.json"):
+        assert main([*tune, "--init-from", str(src), "--out", str(tmp_path / "ft")]) == 2, src
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "--hc-lr" in err and "has none" in err, (src, err)
     assert not (tmp_path / "ft").exists() and not (tmp_path / "cache").exists()
     assert main([*tune, "--init-from", str(mhc), "--out", str(tmp_path / "ft2")]) == 0
     assert load(tmp_path / "ft2")[0].config.hc_streams == 2
