@@ -166,8 +166,10 @@ def prompt_ids_list(model: GPT, prompt_ids) -> list[int]:
     for i in prompt_ids:
         if isinstance(i, (str, bytes)):
             raise ValueError(TEXT_PROMPT.format(i[:40]))
-        try:  # operator.index: any integer (numpy's too), never a float's silent truncation; a bool is no id
-            ids.append(operator.index(as_ids_tensor(i)) if not isinstance(i, bool) else None)
+        try:  # operator.index: any integer (numpy's too), never a float's silent truncation; a bool is no id (a 0-d
+            # bool tensor neither: operator.index reads it as 0 or 1)
+            ids.append(operator.index(as_ids_tensor(i)) if not isinstance(i, bool)
+                       and str(getattr(i, "dtype", "")) != "torch.bool" else None)
         except TypeError:
             ids.append(None)
         if ids[-1] is None:

@@ -63,6 +63,10 @@ def test_numpy_prompts_decode_as_their_lists(model, name):
     (torch.tensor([True, False]), "integer dtype"),
     (np.array([1.5, 2.0]), "integer dtype"),
     ([[1, 2], [3.5]], "token ids must be integers"),
+    # a bool is no id, as a Python bool or as a 0-d bool tensor (operator.index read it as 0 or 1)
+    ([True, 2], "token ids must be integers"),
+    ([torch.tensor(True), 2], "token ids must be integers"),
+    ([[torch.tensor(2), torch.tensor(False)], [3]], "token ids must be integers"),
 ])
 def test_a_prompt_that_is_not_token_ids_is_refused_before_any_forward(model, monkeypatch, name, prompt, match):
     _no_forward(model, monkeypatch)
