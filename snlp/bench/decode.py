@@ -20,7 +20,7 @@ from snlp.decode.steps import host_syncs, sequential_step, snlp_step
 from snlp.method.plan import Plan
 from snlp.method.solver import Runner, bind
 from snlp.model.cache import KVCache
-from snlp.model.gpt import GPT
+from snlp.model.gpt import GPT, eval_mode
 from snlp.runtime.timing import round_order
 
 
@@ -128,30 +128,30 @@ def decode_benchmark(model: GPT, plans: list[Plan], prompt_len: int = 16, new_to
     pen = dict(repetition_penalty=check_repetition_penalty(repetition_penalty))
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=gen).tolist()
-    model.eval()
-    seq = sequential_step(model, compile)  # built once: compiled graphs are shared by every run
-    runners = draft_runners(model, [(plan, share_weights) for plan in plans])
-    drafts = {plan: snlp_step(runners[(plan, share_weights)], compile) for plan in plans}
-    spec_kw = dict(min_confidence=min_confidence, adaptive=adaptive, **pen)
-    fns = {("sequential", None, 0): lambda: sequential_generate(model, prompt, new_tokens, step=seq, **pen)}
-    for plan in plans:
-        fns[("snlp", plan, 0)] = (lambda p: lambda: snlp_generate(model, prompt, p, new_tokens, step=drafts[p],
-                                                                  **pen))(plan)
-    for plan in plans:
-        for b in blocks:
-            fns[("speculative", plan, b)] = (lambda p, b: lambda: speculative_generate(
-                model, prompt, p, b, new_tokens, draft=drafts[p], verify=seq, **spec_kw))(plan, b)
-    for r in range(warmup):
-        for key in round_order(fns, r):
-            fns[key]()
-    results = {key: [] for key in fns}
-    for r in range(runs):  # round-robin, the order rotated: drift and the row before hit every row alike
-        for key in round_order(fns, r):
-            results[key].append(fns[key]())
-    syncs = _compiled_syncs(model, seq, drafts, prompt_len + new_tokens + seq.slack + max(blocks),
-                            max(blocks)) if compile else None
-    return _rows(model, results, seq, drafts, syncs, dict(new_tokens=new_tokens, prompt_len=prompt_len, runs=runs,
-                                                          compiled=compile, **pen))
+    with eval_mode(model):  # a caller's model leaves with every submodule in the mode it came in
+        seq = sequential_step(model, compile)  # built once: compiled graphs are shared by every run
+        runners = draft_runners(model, [(plan, share_weights) for plan in plans])
+        drafts = {plan: snlp_step(runners[(plan, share_weights)], compile) for plan in plans}
+        spec_kw = dict(min_confidence=min_confidence, adaptive=adaptive, **pen)
+        fns = {("sequential", None, 0): lambda: sequential_generate(model, prompt, new_tokens, step=seq, **pen)}
+        for plan in plans:
+            fns[("snlp", plan, 0)] = (lambda p: lambda: snlp_generate(model, prompt, p, new_tokens, step=drafts[p],
+                                                                      **pen))(plan)
+        for plan in plans:
+            for b in blocks:
+                fns[("speculative", plan, b)] = (lambda p, b: lambda: speculative_generate(
+                    model, prompt, p, b, new_tokens, draft=drafts[p], verify=seq, **spec_kw))(plan, b)
+        for r in range(warmup):
+            for key in round_order(fns, r):
+                fns[key]()
+        results = {key: [] for key in fns}
+        for r in range(runs):  # round-robin, the order rotated: drift and the row before hit every row alike
+            for key in round_order(fns, r):
+                results[key].append(fns[key]())
+        syncs = _compiled_syncs(model, seq, drafts, prompt_len + new_tokens + seq.slack + max(blocks),
+                                max(blocks)) if compile else None
+        return _rows(model, results, seq, drafts, syncs, dict(new_tokens=new_tokens, prompt_len=prompt_len, runs=runs,
+                                                              compiled=compile, **pen))
 
 
 def _compiled_syncs(model: GPT, seq, drafts: dict, max_len: int, block: int) -> dict:
@@ -296,25 +296,25 @@ def batch_decode_benchmark(model: GPT, plans: list[Plan], batch_sizes=(1, 4, 8),
     gen = torch.Generator().manual_seed(seed)
     lens = torch.randint(max(1, prompt_len // 2), prompt_len + 1, (max(batch_sizes),), generator=gen).tolist()
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in lens]
-    model.eval()
-    seq = sequential_step(model, compile)
-    ref = [sequential_generate(model, p, new_tokens, step=seq, **pen).tokens for p in prompts]
-    specs = _variants(plans, blocks, share_weights, min_confidence, adaptive)
-    runners = draft_runners(model, [(p, kw.get("share_weights", False)) for p, _, _, kw in specs])
-    drafts = {key: snlp_step(r, compile) for key, r in runners.items()}
-    rows = []
-    for B in batch_sizes:
-        ps = prompts[:B]
-        fns = {("sequential", "sequential", None, ""): lambda: sequential_generate(model, [*ps], new_tokens, step=seq,
-                                                                                   **pen)}
-        for plan, b, tag, kw in specs:
-            kw = {**{k: v for k, v in kw.items() if k != "share_weights"}, **pen}
-            fns[("speculative", str(plan), b, tag)] = (lambda p, b, kw, d: lambda: speculative_generate(
-                model, [*ps], p, b, new_tokens, draft=d, verify=seq, **kw))(
-                plan, b, kw, drafts[(plan, "shared" in tag)])
-        rows += _batch_rows(fns, ref[:B], warmup, runs, dict(batch=B, new_tokens=new_tokens, prompt_lens=lens[:B],
-                                                             runs=runs, compiled=compile, **pen))
-    return rows
+    with eval_mode(model):  # a caller's model leaves with every submodule in the mode it came in
+        seq = sequential_step(model, compile)
+        ref = [sequential_generate(model, p, new_tokens, step=seq, **pen).tokens for p in prompts]
+        specs = _variants(plans, blocks, share_weights, min_confidence, adaptive)
+        runners = draft_runners(model, [(p, kw.get("share_weights", False)) for p, _, _, kw in specs])
+        drafts = {key: snlp_step(r, compile) for key, r in runners.items()}
+        rows = []
+        for B in batch_sizes:
+            ps = prompts[:B]
+            fns = {("sequential", "sequential", None, ""): lambda: sequential_generate(model, [*ps], new_tokens,
+                                                                                       step=seq, **pen)}
+            for plan, b, tag, kw in specs:
+                kw = {**{k: v for k, v in kw.items() if k != "share_weights"}, **pen}
+                fns[("speculative", str(plan), b, tag)] = (lambda p, b, kw, d: lambda: speculative_generate(
+                    model, [*ps], p, b, new_tokens, draft=d, verify=seq, **kw))(
+                    plan, b, kw, drafts[(plan, "shared" in tag)])
+            rows += _batch_rows(fns, ref[:B], warmup, runs, dict(batch=B, new_tokens=new_tokens, prompt_lens=lens[:B],
+                                                                 runs=runs, compiled=compile, **pen))
+        return rows
 
 
 def _batch_rows(fns: dict, ref: list, warmup: int, runs: int, common: dict) -> list[BatchDecodeRow]:

@@ -20,7 +20,7 @@ from snlp.bench.stats import paired_fields
 from snlp.decode.steps import check_compilable, compile_fullgraph, mark_static_runner
 from snlp.method.plan import Plan
 from snlp.method.solver import bind
-from snlp.model.gpt import GPT, GPTConfig
+from snlp.model.gpt import GPT, GPTConfig, eval_mode
 from snlp.runtime.timing import now, time_round_robin
 
 
@@ -179,34 +179,34 @@ def benchmark(model: GPT, plans: list[Plan], tokens: int = 1, batch: int = 1, wa
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, model.config.vocab_size, (batch, tokens), generator=gen).to(device)
-    model.eval()
-    fwd = {"sequential": lambda: model(idx)}
-    # bound runners: fused weights built once here, so neither the timed call nor a compiled graph rebuilds them
-    runners = {str(plan): bind(model, plan, check_finite=False) for plan in plans}
-    for name, runner in runners.items():
-        fwd[name] = (lambda r: lambda: r(idx))(runner)
-    iters = {}  # iterations each plan ran (< K when its `tol` stopped it early; same idx every run)
-    compile_s: dict[str, float] = {}
-    with torch.inference_mode():
-        for name, runner in runners.items():  # once with the NaN/inf check, before timing
-            iters[name] = runner.solve(idx, check_finite=True).iters
-        h_last = model.embed(idx).x0.clone()  # a hidden state of h_L's shape ((B, T, n, D) with mHC) for the head
-        # the fixed costs: return every tensor of the Context so a compiled graph cannot drop any of it
-        fixed = {"_embed": lambda: context_tensors(model.embed(idx)),
-                 "_head": lambda: model.head(h_last)}
-        fns = {**fwd, **fixed}
-        if compile:  # the plan callables share one code object: allow one compiled graph per plan
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(fns) + 1)
-            if device.type == "cuda":  # CUDA graphs would copy the fused weights (plain tensors) in every replay
-                for runner in runners.values():
-                    mark_static_runner(runner)
-            fns = {name: compile_step(fn, device) for name, fn in fns.items()}
-            compile_s = _trigger_compile(fns, device)
-        times = time_round_robin(fns, warmup, runs, device)
-    common = dict(tokens=tokens, batch=batch, n_layer=L, device=str(device),
-                  dtype=str(next(model.parameters()).dtype).replace("torch.", ""), compiled=compile,
-                  fixed_compile_s=(compile_s["_embed"] + compile_s["_head"]) if compile else None)
-    return [_row(name, times, iters.get(name), compile_s.get(name), common) for name in fwd]
+    with eval_mode(model):  # a caller's model leaves with every submodule in the mode it came in
+        fwd = {"sequential": lambda: model(idx)}
+        # bound runners: fused weights built once here, so neither the timed call nor a compiled graph rebuilds them
+        runners = {str(plan): bind(model, plan, check_finite=False) for plan in plans}
+        for name, runner in runners.items():
+            fwd[name] = (lambda r: lambda: r(idx))(runner)
+        iters = {}  # iterations each plan ran (< K when its `tol` stopped it early; same idx every run)
+        compile_s: dict[str, float] = {}
+        with torch.inference_mode():
+            for name, runner in runners.items():  # once with the NaN/inf check, before timing
+                iters[name] = runner.solve(idx, check_finite=True).iters
+            h_last = model.embed(idx).x0.clone()  # a hidden state of h_L's shape ((B, T, n, D) with mHC) for the head
+            # the fixed costs: return every tensor of the Context so a compiled graph cannot drop any of it
+            fixed = {"_embed": lambda: context_tensors(model.embed(idx)),
+                     "_head": lambda: model.head(h_last)}
+            fns = {**fwd, **fixed}
+            if compile:  # the plan callables share one code object: allow one compiled graph per plan
+                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(fns) + 1)
+                if device.type == "cuda":  # CUDA graphs would copy the fused weights (plain tensors) in every replay
+                    for runner in runners.values():
+                        mark_static_runner(runner)
+                fns = {name: compile_step(fn, device) for name, fn in fns.items()}
+                compile_s = _trigger_compile(fns, device)
+            times = time_round_robin(fns, warmup, runs, device)
+        common = dict(tokens=tokens, batch=batch, n_layer=L, device=str(device),
+                      dtype=str(next(model.parameters()).dtype).replace("torch.", ""), compiled=compile,
+                      fixed_compile_s=(compile_s["_embed"] + compile_s["_head"]) if compile else None)
+        return [_row(name, times, iters.get(name), compile_s.get(name), common) for name in fwd]
 
 
 def _row(name: str, times: dict[str, list[float]], iters: int | None, compile_s: float | None,

@@ -12,7 +12,7 @@ import torch
 
 from snlp.bench.stats import paired_marks
 from snlp.method.fusion import chunk_weights
-from snlp.model.gpt import GPT
+from snlp.model.gpt import GPT, eval_mode
 from snlp.runtime.timing import time_round_robin
 
 OPS = ("forward", "fd", "jvp", "vjp")
@@ -95,25 +95,25 @@ def op_benchmark(model: GPT, tokens: tuple[int, ...] = (1, 16, 32, 64, 128), lay
         raise ValueError(f"--layer must lie in [0, {L - 1}] for a {L}-layer model (got {layer})")
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
-    model.eval()
-    rows = []
-    for T in tokens:
-        idx = torch.randint(0, model.config.vocab_size, (1, T), generator=gen).to(device)
-        with torch.no_grad():
-            ctx = model.embed(idx)
-            x = model.run_layers(ctx.x0, ctx, 0, layer)[None]  # (C=1, B=1, T, ..., D): the layer's real input
-            w = chunk_weights(model, layer, 1, 1)
-            f = chunk_probe_map(w, ctx)  # probe-stacked (P, C, B, T, ..., D) map, as in the solver
-            v = rademacher((1, *x.shape), x, torch.Generator(device).manual_seed(seed))
-            fx = f(x[None])[0]
-            fns = {"forward": lambda: f(x[None]),
-                   "fd": lambda: probe_products(f, x, v, "fd", eps),
-                   "jvp": lambda: probe_products(f, x, v, "jvp"),
-                   "vjp": lambda: probe_products(f, x, v, "vjp"),
-                   "fd_extra": lambda: probe_products(f, x, v, "fd", eps, fx=fx)}
-            times = time_round_robin(fns, warmup, runs, device)
-        rows.append(OpRow(tokens=T, layer=layer, batch=1, runs=runs, n_layer=L, n_embd=model.config.n_embd,
-                          device=str(device), dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
-                          **{f"{name}_ms": statistics.median(ts) for name, ts in times.items()},
-                          times_ms={name: list(ts) for name, ts in times.items()}))
-    return rows
+    with eval_mode(model):  # a caller's model leaves with every submodule in the mode it came in
+        rows = []
+        for T in tokens:
+            idx = torch.randint(0, model.config.vocab_size, (1, T), generator=gen).to(device)
+            with torch.no_grad():
+                ctx = model.embed(idx)
+                x = model.run_layers(ctx.x0, ctx, 0, layer)[None]  # (C=1, B=1, T, ..., D): the layer's real input
+                w = chunk_weights(model, layer, 1, 1)
+                f = chunk_probe_map(w, ctx)  # probe-stacked (P, C, B, T, ..., D) map, as in the solver
+                v = rademacher((1, *x.shape), x, torch.Generator(device).manual_seed(seed))
+                fx = f(x[None])[0]
+                fns = {"forward": lambda: f(x[None]),
+                       "fd": lambda: probe_products(f, x, v, "fd", eps),
+                       "jvp": lambda: probe_products(f, x, v, "jvp"),
+                       "vjp": lambda: probe_products(f, x, v, "vjp"),
+                       "fd_extra": lambda: probe_products(f, x, v, "fd", eps, fx=fx)}
+                times = time_round_robin(fns, warmup, runs, device)
+            rows.append(OpRow(tokens=T, layer=layer, batch=1, runs=runs, n_layer=L, n_embd=model.config.n_embd,
+                              device=str(device), dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
+                              **{f"{name}_ms": statistics.median(ts) for name, ts in times.items()},
+                              times_ms={name: list(ts) for name, ts in times.items()}))
+        return rows

@@ -59,7 +59,7 @@ from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
 from snlp.method.solver import bind, preheat_for
 from snlp.model.cache import KVCache
-from snlp.model.gpt import GPT
+from snlp.model.gpt import GPT, eval_mode
 from snlp.runtime.device import progress_bar
 from snlp.runtime.fmt import DELTA_RATIO, fmt_delta_ppl, fmt_fraction
 from snlp.runtime.timing import round_order, time_round_robin
@@ -695,33 +695,34 @@ def tune(model: GPT, val_tokens, cfg: TuneConfig = TuneConfig(), quality: dict[s
         cfg = replace(cfg, seq_len=min(256, model.config.sequence_len))
     L = model.config.n_layer
     plans = cfg.plan_list(L, preheat, next(model.parameters()).device)
-    model.eval()
-    val = as_tokens(val_tokens)
-    prompts = sample_prompts(val, cfg.prompts, cfg.prompt_len, cfg.seed)
-    t0 = time.perf_counter()
-    if quality is not None and any(str(p) not in quality for p in plans):
-        raise ValueError(f"no calibration quality for plans {[str(p) for p in plans if str(p) not in quality]}")
-    with torch_threads(cfg.settings()[0][0]):  # thread-independent, but never at an untried thread count
-        quality = quality if quality is not None else calibration_quality(model, val, plans, cfg, preheat)
-        quality = {str(p): quality[str(p)] for p in plans}
-        usable = [p for p in plans if not quality[str(p)].note and quality[str(p)].top1 is not None]
-        acceptance = measure_acceptance(model, sample_prompts(val, cfg.prompts, cfg.prompt_len, cfg.seed + 1),
-                                        usable, cfg, preheat) if cfg.ssd and cfg.accept_tokens else {}
-    costs = [measure_costs(model, usable, prompts[0], cfg, t, c, preheat) for t, c in cfg.settings()]
-    cands = predict(quality, acceptance, costs, cfg)
-    shortlist(cands, cfg)
-    t1 = time.perf_counter()
-    if on_stage is not None:
-        on_stage({"config": cfg, "n_layer": L, "quality": list(quality.values()), "acceptance": list(acceptance.values()),
-                  "costs": costs, "candidates": cands, "stage1_s": t1 - t0},
-                 "stage 1 (every candidate's prediction and the shortlist; stage 2, the measured table and the pick, "
-                 "had not run)")
-    todo = [c for c in cands if c.within_budget and (c.shortlisted or cfg.full_grid)]
-    measure_ssd(model, prompts, [c for c in todo if c.goal == "ssd"], cfg, preheat)
-    measure_snlp(model, prompts, [c for c in todo if c.goal == "snlp"], cfg, preheat)
-    _normalise(cands)
-    return _result(model, cfg, list(quality.values()), list(acceptance.values()), costs, cands, t1 - t0,
-                   time.perf_counter() - t1)
+    with eval_mode(model):  # a caller's model leaves with every submodule in the mode it came in
+        val = as_tokens(val_tokens)
+        prompts = sample_prompts(val, cfg.prompts, cfg.prompt_len, cfg.seed)
+        t0 = time.perf_counter()
+        if quality is not None and any(str(p) not in quality for p in plans):
+            raise ValueError(f"no calibration quality for plans {[str(p) for p in plans if str(p) not in quality]}")
+        with torch_threads(cfg.settings()[0][0]):  # thread-independent, but never at an untried thread count
+            quality = quality if quality is not None else calibration_quality(model, val, plans, cfg, preheat)
+            quality = {str(p): quality[str(p)] for p in plans}
+            usable = [p for p in plans if not quality[str(p)].note and quality[str(p)].top1 is not None]
+            acceptance = measure_acceptance(model, sample_prompts(val, cfg.prompts, cfg.prompt_len, cfg.seed + 1),
+                                            usable, cfg, preheat) if cfg.ssd and cfg.accept_tokens else {}
+        costs = [measure_costs(model, usable, prompts[0], cfg, t, c, preheat) for t, c in cfg.settings()]
+        cands = predict(quality, acceptance, costs, cfg)
+        shortlist(cands, cfg)
+        t1 = time.perf_counter()
+        if on_stage is not None:
+            on_stage({"config": cfg, "n_layer": L, "quality": list(quality.values()),
+                      "acceptance": list(acceptance.values()), "costs": costs, "candidates": cands,
+                      "stage1_s": t1 - t0},
+                     "stage 1 (every candidate's prediction and the shortlist; stage 2, the measured table and the "
+                     "pick, had not run)")
+        todo = [c for c in cands if c.within_budget and (c.shortlisted or cfg.full_grid)]
+        measure_ssd(model, prompts, [c for c in todo if c.goal == "ssd"], cfg, preheat)
+        measure_snlp(model, prompts, [c for c in todo if c.goal == "snlp"], cfg, preheat)
+        _normalise(cands)
+        return _result(model, cfg, list(quality.values()), list(acceptance.values()), costs, cands, t1 - t0,
+                       time.perf_counter() - t1)
 
 
 def _result(model: GPT, cfg: TuneConfig, quality, acceptance, costs, cands, s1: float, s2: float) -> TuneResult:

@@ -1,6 +1,6 @@
-"""`snlp.evaluate` on a caller's model: it runs in eval mode and hands the model back in the mode it came in (a
-training loop that evaluates mid-run and continues must not find its model switched to eval mode, module by module),
-with its weights unchanged and no gradients left behind."""
+"""`snlp.evaluate` and `snlp.eval.analysis.analyze` on a caller's model: they run in eval mode and hand the model back
+in the mode it came in (a training loop that evaluates mid-run and continues must not find its model switched to eval
+mode, module by module), with its weights unchanged and no gradients left behind."""
 
 from __future__ import annotations
 
@@ -31,3 +31,16 @@ def test_evaluate_restores_the_callers_mode_module_by_module():
     assert [m.training for m in model.modules()] == modes  # before: every module left in eval mode
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_analyze_restores_the_callers_mode_module_by_module():
+    """snlp analyze's library entry (snlp.eval.analysis.analyze) switched a caller's model to eval mode and left it
+    there."""
+    from snlp.eval.analysis import AnalysisConfig, analyze
+
+    model = make_model(n_layer=4).train()
+    model.blocks[1].eval()
+    modes = [m.training for m in model.modules()]
+    val = torch.randint(0, model.config.vocab_size, (200,), generator=torch.Generator().manual_seed(0))
+    analyze(model, val, AnalysisConfig(only=("early-exit",), seq_len=8, max_tokens=32, batch=4, progress=False))
+    assert [m.training for m in model.modules()] == modes

@@ -26,7 +26,7 @@ from snlp.eval.analysis.propagation import PropagationResult, correction_propaga
 from snlp.eval.analysis.tables import (early_exit_table, elk_table, jacobi_table, jacobian_table, ordering_summary,
                                        ordering_tables, preheat_table, propagation_table)
 from snlp.method.preheat import Preheat
-from snlp.model.gpt import GPT
+from snlp.model.gpt import GPT, eval_mode
 from snlp.runtime.device import json_text, write_atomic
 from snlp.runtime.load import load_average
 from snlp.runtime.outputs import make_folders, partial_line
@@ -103,29 +103,29 @@ def analyze(model: GPT, val_tokens, cfg: AnalysisConfig = AnalysisConfig(), chec
         warnings.warn(f"seq_len {cfg.seq_len} is past the model's sequence_len {trained} (the context it was trained "
                       f"for): every section measures extrapolation past it, not the model as trained; pass --seq-len "
                       f"{trained} or less", stacklevel=2)
-    model.eval()
-    res = AnalysisResult(checkpoint=str(checkpoint), config=replace(cfg), environment=environment(),
-                         model_seq_len=trained)  # config: a snapshot
-    steps = [("jacobian", lambda: jacobian_diagnostics(model, val_tokens, cfg)),
-             ("ordering", lambda: correction_ordering(model, val_tokens, cfg)),
-             ("propagation", lambda: correction_propagation(model, val_tokens, cfg)),
-             ("early-exit", lambda: early_exit(model, val_tokens, cfg.suffix_sizes(L), cfg.eval_config())),
-             ("elk", lambda: elk_sweep(model, val_tokens, cfg, preheat)),
-             ("preheat", lambda: preheat_calibrations(model, val_tokens, cfg)),
-             ("jacobi", lambda: jacobi_coupling(model, val_tokens, cfg))]
-    for name, fn in steps:
-        if name not in cfg.only:
-            continue
-        t0 = time.perf_counter()
-        setattr(res, name.replace("-", "_"), fn())
-        res.seconds[name] = round(time.perf_counter() - t0, 1)
-        if cfg.progress:
-            print(f"analyze: {name} done in {res.seconds[name]:.1f}s", file=sys.stderr)
-        if on_section is not None and len(res.seconds) < len([n for n, _ in steps if n in cfg.only]):
-            on_section(res)
-    end = _loadavg()
-    res.environment.loadavg_1min_end = None if end == "n/a" else end
-    return res
+    with eval_mode(model):  # a caller's model leaves with every submodule in the mode it came in
+        res = AnalysisResult(checkpoint=str(checkpoint), config=replace(cfg), environment=environment(),
+                             model_seq_len=trained)  # config: a snapshot
+        steps = [("jacobian", lambda: jacobian_diagnostics(model, val_tokens, cfg)),
+                 ("ordering", lambda: correction_ordering(model, val_tokens, cfg)),
+                 ("propagation", lambda: correction_propagation(model, val_tokens, cfg)),
+                 ("early-exit", lambda: early_exit(model, val_tokens, cfg.suffix_sizes(L), cfg.eval_config())),
+                 ("elk", lambda: elk_sweep(model, val_tokens, cfg, preheat)),
+                 ("preheat", lambda: preheat_calibrations(model, val_tokens, cfg)),
+                 ("jacobi", lambda: jacobi_coupling(model, val_tokens, cfg))]
+        for name, fn in steps:
+            if name not in cfg.only:
+                continue
+            t0 = time.perf_counter()
+            setattr(res, name.replace("-", "_"), fn())
+            res.seconds[name] = round(time.perf_counter() - t0, 1)
+            if cfg.progress:
+                print(f"analyze: {name} done in {res.seconds[name]:.1f}s", file=sys.stderr)
+            if on_section is not None and len(res.seconds) < len([n for n, _ in steps if n in cfg.only]):
+                on_section(res)
+        end = _loadavg()
+        res.environment.loadavg_1min_end = None if end == "n/a" else end
+        return res
 
 
 def _header(res: AnalysisResult) -> list[str]:
