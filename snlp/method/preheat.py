@@ -133,10 +133,10 @@ class CalibrateConfig:
     seed: int = 0
 
     def check(self, model) -> None:
-        if not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"preheat rank must be an integer >= 1 (got {self.rank!r})")
-        if self.batch < 1 or self.seq_len < 1:
-            raise ValueError(f"calibration batch and seq_len must be >= 1 (got {self.batch}, {self.seq_len})")
+        for name in ("rank", "batch", "seq_len"):  # True is an int: it would fit rank 1 (or run one window) silently
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"preheat {name} must be an integer >= 1 (got {value!r})")
         check_tokens(self.batch * self.seq_len, min(self.rank, x0_width(model)),
                      f"batch x seq_len = {self.batch} x {self.seq_len}")
 

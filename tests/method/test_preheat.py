@@ -196,3 +196,14 @@ def test_a_save_cut_short_keeps_the_calibration_that_was_there(tmp_path, model, 
     with pytest.raises(KeyboardInterrupt):
         _fit(model, rank=2).save(path)
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [preheat.FILENAME]
+
+
+@pytest.mark.parametrize("field,value", [("rank", True), ("batch", True), ("seq_len", True), ("batch", 2.0),
+                                         ("seq_len", 8.0)])
+def test_a_count_that_is_not_an_integer_is_refused_in_one_line(model, field, value):
+    """CalibrateConfig(rank=True) fitted a rank-1 calibration, True standing for 1, as batch=True and seq_len=True ran
+    one window or one token (a Plan refuses True as a count: plan.py); a float batch passed the check and failed
+    inside the fit."""
+    kw = {"rank": 4, "batch": 2, "seq_len": 8, field: value}
+    with pytest.raises(ValueError, match=rf"^preheat {field} must be an integer >= 1 \(got {value!r}\)$"):
+        preheat.fit(model, preheat.CalibrateConfig(**kw))
