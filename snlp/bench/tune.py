@@ -778,14 +778,19 @@ def _result(model: GPT, cfg: TuneConfig, quality, acceptance, costs, cands, s1: 
                       pick_rule=rules, pick_tie={g: r.startswith("tie:") for g, r in rules.items()})
 
 
+def _none(x) -> bool:
+    """A value the table has not got: None, or NaN (what snlp.runtime.fmt also reads as missing)."""
+    return x is None or (isinstance(x, float) and math.isnan(x))
+
+
 def _f(x, fmt: str) -> str:
-    return "–" if x is None else format(x, fmt)
+    return "–" if _none(x) else format(x, fmt)
 
 
 def _share(x) -> str:
     """A Top-1 or acceptance cell: fmt_fraction's digits, and the table's own "–" where there is none (an SNLP
     candidate has no acceptance; fmt_fraction's missing mark is the reports' "-")."""
-    return "–" if x is None else fmt_fraction(x)
+    return "–" if _none(x) else fmt_fraction(x)
 
 
 def table(result: TuneResult, goal: str, measured_only: bool = True) -> list[str]:
@@ -802,10 +807,11 @@ def table(result: TuneResult, goal: str, measured_only: bool = True) -> list[str
             "pred x", "pred tok/s", "meas s", "meas x", "noise", "tok/s", "alpha", "meas tok/rnd", "= seq"]
     body = [[("> " if c is pick else "") + ("*" if c.shortlisted else "") + ("P" if id(c) in front else ""),
              f"`{c.plan}`", _f(c.block, "d"), str(c.threads), "yes" if c.compiled else "no", _share(c.top1),
-             dppl_cell(c.delta_ppl), f"{c.s:.2f}", _f(c.ideal_ssd_speedup, ".2f"), _share(c.accept_alpha),
-             _f(c.predicted_tokens_per_round, ".2f"), f"{c.predicted_speedup:.2f}", f"{c.predicted_tokens_per_s:.0f}",
+             dppl_cell(c.delta_ppl), _f(c.s, ".2f"), _f(c.ideal_ssd_speedup, ".2f"), _share(c.accept_alpha),
+             _f(c.predicted_tokens_per_round, ".2f"), _f(c.predicted_speedup, ".2f"),
+             _f(c.predicted_tokens_per_s, ".0f"),
              _f(c.measured_s, ".2f"), _f(c.measured_speedup, ".2f") + tie_mark(c.round_speedups),
-             "–" if c.noise is None else f"±{c.noise:.1%}",
+             "–" if _none(c.noise) else f"±{c.noise:.1%}",
              _f(c.tokens_per_s, ".0f"), _share(c.alpha),
              _f(c.tokens_per_round, ".2f"), {None: "–", True: "yes", False: "NO"}[c.matches_sequential]] for c in rows]
     lines = markdown_table(cols, body)
@@ -818,7 +824,10 @@ def table(result: TuneResult, goal: str, measured_only: bool = True) -> list[str
 
 def dppl_cell(d: float) -> str:
     """A dPPL cell: two decimals of a percent, where a budget such as 1 % is read, and above +1000 % or diverged
-    the other tables' form (snlp.runtime.fmt.fmt_delta_ppl: '×1.3e7', 'diverged'), not '+1318860828.90%'."""
+    the other tables' form (snlp.runtime.fmt.fmt_delta_ppl: '×1.3e7', 'diverged'), not '+1318860828.90%'; none
+    (None, NaN): the table's own "–", not fmt_delta_ppl's "-"."""
+    if _none(d):
+        return "–"
     return f"{100 * d:+.2f}%" if math.isfinite(d) and d <= DELTA_RATIO else fmt_delta_ppl(d)
 
 

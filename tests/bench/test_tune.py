@@ -401,9 +401,10 @@ def test_the_tables_dppl_cell_keeps_two_decimals_and_prints_huge_or_diverged_one
     from snlp.runtime.fmt import fmt_delta_ppl
 
     assert [dppl_cell(d) for d in (0.0123, -0.0004, 0.0, 10.0)] == ["+1.23%", "-0.04%", "+0.00%", "+1000.00%"]
-    for d in (13188608.289, 10.5, math.inf, math.nan):
+    for d in (13188608.289, 10.5, math.inf):
         assert dppl_cell(d) == fmt_delta_ppl(d)
     assert dppl_cell(13188608.289) == "×1.3e7" and dppl_cell(math.inf) == "diverged"
+    assert dppl_cell(math.nan) == dppl_cell(None) == "–"  # the tune table's missing mark, not fmt's "-"
 
 
 def test_stage_one_says_what_runs_on_stderr_with_progress_and_nothing_without(model, val, capsys):
@@ -564,3 +565,19 @@ def test_a_missing_share_is_the_tables_own_dash(model):
     cells = [c.strip() for c in row.split("|")]
     assert cells[9] == cells[10] == cells[18] == cells[19] == "–", cells
     assert cells[6] == "0.900", cells
+
+
+def test_every_missing_cell_is_the_tables_own_dash(model):
+    """A NaN dPPL (an evaluation record's, read by quality_from_records) printed fmt_delta_ppl's "-", and a NaN Top-1
+    fmt_fraction's "-", beside the table's "–"; a NaN drafter speedup or noise printed "nan". Every cell whose value
+    is None or NaN is "–", and no cell of the row is "-" or holds "nan"."""
+    from snlp.bench.tune import _result
+
+    a = _cand("2xF1-h0-K1", [1.4, 1.5, 1.6, 1.45, 1.55, 1.5])
+    a.goal, a.accept_alpha, a.alpha, a.tokens_per_round, a.ideal_ssd_speedup = "snlp", None, None, None, None
+    a.delta_ppl = a.top1 = a.s = a.noise = math.nan
+    row = next(line for line in table(_result(model, TuneConfig(), [], [], [], [a], 0.0, 0.0), "snlp")
+               if "2xF1-h0-K1" in line)
+    cells = [c.strip() for c in row.split("|")][1:-1]
+    assert [cells[i] for i in (5, 6, 7, 9, 15)] == ["–"] * 5, cells  # Top-1, dPPL, s, calib alpha, noise
+    assert "-" not in cells and not any("nan" in c for c in cells), cells
