@@ -94,6 +94,11 @@ def _rope(hf_config) -> tuple[float, dict | None]:
         return float(theta), None
     if kind not in ("linear", "llama3"):
         raise ValueError(f"unsupported rope type {kind!r}; snlp supports 'default', 'linear' and 'llama3'")
+    part = params.get("partial_rotary_factor")
+    if part is not None and part != 1:  # transformers' linear / llama3 tables then rotate int(head_dim * part) dims
+        # (its default table ignores the field): a cos/sin narrower than q, which its forward cannot broadcast
+        raise ValueError(f"unsupported partial_rotary_factor={part!r} with rope type {kind!r}: snlp rotates every "
+                         f"head dimension (transformers' forward fails on this config too)")
     keys = ("factor",) if kind == "linear" else (
         "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     scal = {"rope_type": kind, **{k: params.get(k) for k in keys}}

@@ -661,6 +661,33 @@ def test_other_rope_types_are_refused_in_one_line_before_the_weights_load(rope, 
     assert f"unsupported rope type '{rope['rope_type']}'" in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 2.0},
+                                  {**LLAMA3, "original_max_position_embeddings": 64}], ids=["linear", "llama3"])
+def test_a_scaled_rope_of_part_of_each_head_is_refused_not_converted_as_a_full_rotation(rope, tmp_path, capsys):
+    """partial_rotary_factor < 1 with a linear / llama3 table: transformers builds frequencies for
+    int(head_dim * factor) dims only and its forward fails on them; snlp rotated every dimension, a model no config
+    describes. Refused in one line, from an object and from a folder whose weights are never read. The default
+    table ignores the field in transformers' Llama, and so does snlp: the same logits."""
+    from snlp.apps.cli import main
+
+    part = {"rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    hf = hf_tiny("llama", layers=2, rope_parameters={**part, **rope})
+    with pytest.raises(RuntimeError), torch.no_grad():
+        hf(ids())  # transformers cannot run it either
+    with pytest.raises(ValueError, match="unsupported partial_rotary_factor=0.5"):
+        from_hf(hf)
+    hf.save_pretrained(str(tmp_path / "m"))
+    word_tokenizer(V).save_pretrained(str(tmp_path / "m"))
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"corrupt")
+    capsys.readouterr()  # (save_pretrained's progress bar)
+    assert main(["convert", str(tmp_path / "m"), "--out", str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err
+    assert "unsupported partial_rotary_factor=0.5" in err and err.count("\n") == 1, err
+    hf = hf_tiny("llama", layers=2, dtype=torch.float64, rope_parameters={**part, "rope_type": "default"})
+    with torch.no_grad():
+        torch.testing.assert_close(from_hf(hf)[0](ids()), hf(ids()).logits, atol=1e-6, rtol=0)
+
+
 def test_a_text_prompt_is_encoded_as_transformers_tokenizer_encodes_it():
     """`snlp generate --prompt` (and --distributed's) feed a converted model the ids transformers' tokenizer(text)
     gives, which `generate` then continues: no BOS where the tokenizer adds none (SmolLM2's bos_token is its chat
