@@ -12,6 +12,7 @@ transformers is imported lazily: only conversion and export need it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import shutil
@@ -186,10 +187,23 @@ def state_from_hf(hf_state: dict, cfg: GPTConfig) -> dict:
     return out
 
 
+def _head_is_embedding(hf_model) -> bool:
+    """Whether `hf_model`'s forward computes its logits with the embedding table: its lm_head is that tensor, or one
+    equal to it. A config saying tie_word_embeddings=True does not make it so: transformers loads a folder whose
+    weights hold their own lm_head.weight untied, and a model object's head may have been given its own tensor."""
+    head, emb = hf_model.get_output_embeddings(), hf_model.get_input_embeddings()
+    if head is None or emb is None:
+        return True
+    h, e = head.weight, emb.weight
+    return h is e or (h.shape == e.shape and h.dtype == e.dtype and bool(torch.equal(h.detach(), e.detach())))
+
+
 def model_from_hf(hf_model, dtype=None, where=None) -> GPT:
     """A transformers model object -> the equivalent snlp GPT (eval mode, the HF model's dtype unless given);
     `where` names its source in errors (default: the config's _name_or_path, a .gguf file's folder)."""
     cfg = config_from_hf(hf_model.config, type(hf_model))
+    if cfg.tie_embeddings and not _head_is_embedding(hf_model):  # its forward reads lm_head, not the config's flag
+        cfg = dataclasses.replace(cfg, tie_embeddings=False)
     state = state_from_hf(hf_model.state_dict(), cfg)
     where = where or getattr(hf_model.config, "_name_or_path", "") or type(hf_model).__name__
     check_finite(state, where)

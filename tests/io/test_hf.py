@@ -688,6 +688,34 @@ def test_a_scaled_rope_of_part_of_each_head_is_refused_not_converted_as_a_full_r
         torch.testing.assert_close(from_hf(hf)[0](ids()), hf(ids()).logits, atol=1e-6, rtol=0)
 
 
+def test_a_head_of_its_own_under_a_tied_config_is_converted_as_transformers_computes_it(tmp_path):
+    """tie_word_embeddings=True in the config, but the logits come from an lm_head of its own: a folder whose weights
+    hold their own lm_head.weight (transformers 5 loads it untied) and a model object whose head was given its own
+    tensor. snlp tied the head to the embedding by the config's flag and computed other logits; fp64, reference
+    transformers' forward; the export of the conversion loads in transformers with the same logits."""
+    x = ids()
+    untied = hf_tiny("llama", layers=2, dtype=torch.float64)
+    untied.save_pretrained(str(tmp_path / "m"))
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "m")).eval()
+    obj = hf_tiny("llama", layers=2, dtype=torch.float64, tie_word_embeddings=True)
+    obj.lm_head.weight = torch.nn.Parameter(obj.lm_head.weight + 0.1)
+    for src, hf in ((str(tmp_path / "m"), ref), (obj, obj)):
+        model, _ = from_hf(src)
+        with torch.no_grad():
+            tied_logits = hf.model(x).last_hidden_state @ hf.model.embed_tokens.weight.T
+            assert (hf(x).logits - tied_logits).abs().max() > 1e-2  # the head of its own is what transformers reads
+            torch.testing.assert_close(model(x), hf(x).logits, atol=1e-6, rtol=0)
+        assert not model.config.tie_embeddings
+        with torch.no_grad():
+            out = tmp_path / f"exp{id(src)}"
+            back = transformers.AutoModelForCausalLM.from_pretrained(str(export_hf(model, out))).eval()
+            torch.testing.assert_close(back(x).logits, model(x), atol=1e-6, rtol=0)
+    tied = hf_tiny("llama", layers=2, tie_word_embeddings=True)  # a head that is the embedding stays tied
+    assert from_hf(tied)[0].config.tie_embeddings
+
+
 def test_a_text_prompt_is_encoded_as_transformers_tokenizer_encodes_it():
     """`snlp generate --prompt` (and --distributed's) feed a converted model the ids transformers' tokenizer(text)
     gives, which `generate` then continues: no BOS where the tokenizer adds none (SmolLM2's bos_token is its chat
