@@ -58,6 +58,10 @@ def _dtype(dtype) -> torch.dtype | None:
     return _DTYPES[dtype]
 
 
+# the files AutoTokenizer reads a tokenizer from: a folder holding one of them has a tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "vocab.txt", "special_tokens_map.json", "added_tokens.json", "spiece.model")
+
 _BY_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
             "qwen3": "Qwen3ForCausalLM"}  # the class AutoModelForCausalLM builds for a config's model_type
 
@@ -351,8 +355,9 @@ def check_vocab(model: GPT, tok: Tokenizer | None) -> None:
                          f"vocab_size is {model.config.vocab_size}; they belong to different models")
 
 
-def _load_hf(src: str, dtype):
-    """Load (transformers model, tokenizer or None) from a .gguf file, a local directory or a hub id."""
+def _load_hf(src: str, dtype, want_tokenizer: bool = True):
+    """Load (transformers model, tokenizer or None) from a .gguf file, a local directory or a hub id; a directory's or
+    hub id's tokenizer is not read without `want_tokenizer` (the caller passes its own)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = home_path(src)  # `~/dir` as snlp.io.source reads it (check_source found it; transformers reads no `~`)
@@ -422,8 +427,13 @@ def _load_hf(src: str, dtype):
                              f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); transformers would "
                              f"initialise them at random: the checkpoint is incomplete")
         try:
-            t = AutoTokenizer.from_pretrained(src)
-        except (OSError, ValueError, TypeError):
+            t = AutoTokenizer.from_pretrained(src) if want_tokenizer else None
+        except Exception as e:  # a malformed tokenizer.json raised a bare KeyError from transformers
+            held = sorted(f.name for f in path.iterdir() if f.name in TOKENIZER_FILES) if path.is_dir() else []
+            if held or not isinstance(e, (OSError, ValueError, TypeError)):  # a tokenizer is there: never dropped
+                raise ValueError(f"cannot read the tokenizer of {src!r} ({', '.join(held) or 'tokenizer files'}): "
+                                 f"{type(e).__name__}: {' '.join(str(e).split())[:300]}; repair or remove "
+                                 f"{'them' if len(held) != 1 else 'it'}, or pass tokenizer=") from e
             t = None  # weights without a tokenizer: the caller may pass one
     return m, t
 
@@ -448,7 +458,7 @@ def from_hf(src, dtype=None, tokenizer=None) -> tuple[GPT, Tokenizer | None]:
                              f"a directory, a .gguf file or a hub id")
         hf_model, hf_tok = src, None
     elif isinstance(src, (str, Path)):
-        hf_model, hf_tok = _load_hf(str(src), dtype)
+        hf_model, hf_tok = _load_hf(str(src), dtype, want_tokenizer=tokenizer is None)
     else:
         raise ValueError(f"from_hf takes a transformers model, a directory, a .gguf file or a hub id; got "
                          f"{type(src).__name__}")

@@ -716,6 +716,31 @@ def test_a_head_of_its_own_under_a_tied_config_is_converted_as_transformers_comp
     assert from_hf(tied)[0].config.tie_embeddings
 
 
+@pytest.mark.parametrize("bad", ['{"version": "1.0", "model": {"type": "BPE"}}', "{not json"],
+                         ids=["no-added-tokens", "not-json"])
+def test_a_folder_whose_tokenizer_cannot_be_read_says_so_in_one_line(bad, tmp_path, capsys):
+    """A tokenizer.json transformers cannot read: one lacking a key crashed `snlp convert` with a KeyError traceback,
+    one that is no JSON was dropped without a word (from_hf returned no tokenizer; convert said the folder had
+    none). Both are named; a tokenizer passed by the caller is used without reading the folder's, and a folder
+    without tokenizer files still converts without one."""
+    from snlp.apps.cli import main
+
+    _, d = _tiny_dir(tmp_path)
+    (d / "tokenizer.json").write_text(bad)
+    with pytest.raises(ValueError, match=r"cannot read the tokenizer of .*tokenizer\.json"):
+        from_hf(str(d))
+    capsys.readouterr()
+    assert main(["convert", str(d), "--out", str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]  # (transformers' progress bar aside)
+    assert len(errors) == 1 and "cannot read the tokenizer" in errors[0] and "Traceback" not in err, err
+    assert from_hf(str(d), tokenizer=word_tokenizer(V))[1].vocab_size == V
+    for f in d.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            f.unlink()
+    assert from_hf(str(d))[1] is None
+
+
 def test_a_text_prompt_is_encoded_as_transformers_tokenizer_encodes_it():
     """`snlp generate --prompt` (and --distributed's) feed a converted model the ids transformers' tokenizer(text)
     gives, which `generate` then continues: no BOS where the tokenizer adds none (SmolLM2's bos_token is its chat
