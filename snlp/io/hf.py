@@ -119,9 +119,11 @@ def config_from_hf(hf_config, model_class: type | None = None) -> GPTConfig:
     act = getattr(c, "hidden_act", "silu")
     if act not in ("silu", "swish"):  # transformers' ACT2FN maps both names to torch's SiLU
         raise ValueError(f"unsupported hidden_act {act!r} in a {arch} config; snlp supports 'silu' (SwiGLU)")
-    if getattr(c, "mlp_bias", False):
+    # only the classes that read the flag build the biases: Mistral / Qwen2 / Qwen3 build bias-free MLPs, Mistral
+    # bias-free attention, Qwen2 its own q/k/v biases, whatever the config says (a flag they ignore is no part)
+    if arch == "LlamaForCausalLM" and getattr(c, "mlp_bias", False):
         raise ValueError(f"unsupported option mlp_bias=True in a {arch} config (biased MLPs)")
-    if arch != "Qwen2ForCausalLM" and getattr(c, "attention_bias", False):
+    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and getattr(c, "attention_bias", False):
         raise ValueError(f"unsupported option attention_bias=True in a {arch} config (o_proj bias)")
     theta, scaling = _rope(c)
     L, D = c.num_hidden_layers, c.hidden_size

@@ -303,6 +303,26 @@ def test_unsupported_architecture_and_options():
         GPTConfig(rope_scaling={"rope_type": "linear", "factor": 0})
 
 
+@pytest.mark.parametrize("family,kw", [("mistral", dict(mlp_bias=True, attention_bias=True)),
+                                       ("qwen2", dict(mlp_bias=True, attention_bias=True)),
+                                       ("qwen3", dict(mlp_bias=True))])
+def test_a_bias_flag_the_class_does_not_read_is_no_reason_to_refuse(family, kw, tmp_path):
+    """Mistral, Qwen2 and Qwen3 build bias-free MLPs (Mistral bias-free attention, Qwen2 its own q/k/v biases)
+    whatever mlp_bias / attention_bias say: transformers runs such a config as without the flag, and snlp refused
+    it as biased. Converted now, from an object and a folder, with transformers' logits (fp64); the classes that
+    read the flags (Llama's mlp_bias, Llama's and Qwen3's attention_bias) stay refused."""
+    hf = hf_tiny(family, layers=2, dtype=torch.float64, **kw)
+    assert not any(n.endswith("bias") and ("mlp" in n or "o_proj" in n) for n, _ in hf.named_parameters())
+    hf.save_pretrained(str(tmp_path / "m"))
+    with torch.no_grad():
+        for src in (hf, str(tmp_path / "m")):
+            torch.testing.assert_close(from_hf(src)[0](ids()), hf(ids()).logits, atol=1e-6, rtol=0)
+    for C, flag in ((transformers.LlamaConfig, "mlp_bias"), (transformers.LlamaConfig, "attention_bias"),
+                    (transformers.Qwen3Config, "attention_bias")):
+        with pytest.raises(ValueError, match=f"unsupported option {flag}=True"):
+            config_from_hf(C(**{flag: True}))
+
+
 def test_missing_and_corrupt_sources(tmp_path):
     with pytest.raises(FileNotFoundError, match="GGUF file"):
         from_hf(str(tmp_path / "nope.gguf"))
