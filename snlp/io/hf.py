@@ -12,6 +12,7 @@ transformers is imported lazily: only conversion and export need it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import shutil
@@ -57,6 +58,10 @@ def _dtype(dtype) -> torch.dtype | None:
     return _DTYPES[dtype]
 
 
+# the files AutoTokenizer reads a tokenizer from: a folder holding one of them has a tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "vocab.txt", "special_tokens_map.json", "added_tokens.json", "spiece.model")
+
 _BY_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
             "qwen3": "Qwen3ForCausalLM"}  # the class AutoModelForCausalLM builds for a config's model_type
 
@@ -94,6 +99,11 @@ def _rope(hf_config) -> tuple[float, dict | None]:
         return float(theta), None
     if kind not in ("linear", "llama3"):
         raise ValueError(f"unsupported rope type {kind!r}; snlp supports 'default', 'linear' and 'llama3'")
+    part = params.get("partial_rotary_factor")
+    if part is not None and part != 1:  # transformers' linear / llama3 tables then rotate int(head_dim * part) dims
+        # (its default table ignores the field): a cos/sin narrower than q, which its forward cannot broadcast
+        raise ValueError(f"unsupported partial_rotary_factor={part!r} with rope type {kind!r}: snlp rotates every "
+                         f"head dimension (transformers' forward fails on this config too)")
     keys = ("factor",) if kind == "linear" else (
         "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     scal = {"rope_type": kind, **{k: params.get(k) for k in keys}}
@@ -109,9 +119,11 @@ def config_from_hf(hf_config, model_class: type | None = None) -> GPTConfig:
     act = getattr(c, "hidden_act", "silu")
     if act not in ("silu", "swish"):  # transformers' ACT2FN maps both names to torch's SiLU
         raise ValueError(f"unsupported hidden_act {act!r} in a {arch} config; snlp supports 'silu' (SwiGLU)")
-    if getattr(c, "mlp_bias", False):
+    # only the classes that read the flag build the biases: Mistral / Qwen2 / Qwen3 build bias-free MLPs, Mistral
+    # bias-free attention, Qwen2 its own q/k/v biases, whatever the config says (a flag they ignore is no part)
+    if arch == "LlamaForCausalLM" and getattr(c, "mlp_bias", False):
         raise ValueError(f"unsupported option mlp_bias=True in a {arch} config (biased MLPs)")
-    if arch != "Qwen2ForCausalLM" and getattr(c, "attention_bias", False):
+    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and getattr(c, "attention_bias", False):
         raise ValueError(f"unsupported option attention_bias=True in a {arch} config (o_proj bias)")
     theta, scaling = _rope(c)
     L, D = c.num_hidden_layers, c.hidden_size
@@ -181,10 +193,23 @@ def state_from_hf(hf_state: dict, cfg: GPTConfig) -> dict:
     return out
 
 
+def _head_is_embedding(hf_model) -> bool:
+    """Whether `hf_model`'s forward computes its logits with the embedding table: its lm_head is that tensor, or one
+    equal to it. A config saying tie_word_embeddings=True does not make it so: transformers loads a folder whose
+    weights hold their own lm_head.weight untied, and a model object's head may have been given its own tensor."""
+    head, emb = hf_model.get_output_embeddings(), hf_model.get_input_embeddings()
+    if head is None or emb is None:
+        return True
+    h, e = head.weight, emb.weight
+    return h is e or (h.shape == e.shape and h.dtype == e.dtype and bool(torch.equal(h.detach(), e.detach())))
+
+
 def model_from_hf(hf_model, dtype=None, where=None) -> GPT:
     """A transformers model object -> the equivalent snlp GPT (eval mode, the HF model's dtype unless given);
     `where` names its source in errors (default: the config's _name_or_path, a .gguf file's folder)."""
     cfg = config_from_hf(hf_model.config, type(hf_model))
+    if cfg.tie_embeddings and not _head_is_embedding(hf_model):  # its forward reads lm_head, not the config's flag
+        cfg = dataclasses.replace(cfg, tie_embeddings=False)
     state = state_from_hf(hf_model.state_dict(), cfg)
     where = where or getattr(hf_model.config, "_name_or_path", "") or type(hf_model).__name__
     check_finite(state, where)
@@ -332,8 +357,9 @@ def check_vocab(model: GPT, tok: Tokenizer | None) -> None:
                          f"vocab_size is {model.config.vocab_size}; they belong to different models")
 
 
-def _load_hf(src: str, dtype):
-    """Load (transformers model, tokenizer or None) from a .gguf file, a local directory or a hub id."""
+def _load_hf(src: str, dtype, want_tokenizer: bool = True):
+    """Load (transformers model, tokenizer or None) from a .gguf file, a local directory or a hub id; a directory's or
+    hub id's tokenizer is not read without `want_tokenizer` (the caller passes its own)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = home_path(src)  # `~/dir` as snlp.io.source reads it (check_source found it; transformers reads no `~`)
@@ -403,8 +429,13 @@ def _load_hf(src: str, dtype):
                              f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); transformers would "
                              f"initialise them at random: the checkpoint is incomplete")
         try:
-            t = AutoTokenizer.from_pretrained(src)
-        except (OSError, ValueError, TypeError):
+            t = AutoTokenizer.from_pretrained(src) if want_tokenizer else None
+        except Exception as e:  # a malformed tokenizer.json raised a bare KeyError from transformers
+            held = sorted(f.name for f in path.iterdir() if f.name in TOKENIZER_FILES) if path.is_dir() else []
+            if held or not isinstance(e, (OSError, ValueError, TypeError)):  # a tokenizer is there: never dropped
+                raise ValueError(f"cannot read the tokenizer of {src!r} ({', '.join(held) or 'tokenizer files'}): "
+                                 f"{type(e).__name__}: {' '.join(str(e).split())[:300]}; repair or remove "
+                                 f"{'them' if len(held) != 1 else 'it'}, or pass tokenizer=") from e
             t = None  # weights without a tokenizer: the caller may pass one
     return m, t
 
@@ -429,7 +460,7 @@ def from_hf(src, dtype=None, tokenizer=None) -> tuple[GPT, Tokenizer | None]:
                              f"a directory, a .gguf file or a hub id")
         hf_model, hf_tok = src, None
     elif isinstance(src, (str, Path)):
-        hf_model, hf_tok = _load_hf(str(src), dtype)
+        hf_model, hf_tok = _load_hf(str(src), dtype, want_tokenizer=tokenizer is None)
     else:
         raise ValueError(f"from_hf takes a transformers model, a directory, a .gguf file or a hub id; got "
                          f"{type(src).__name__}")

@@ -303,6 +303,26 @@ def test_unsupported_architecture_and_options():
         GPTConfig(rope_scaling={"rope_type": "linear", "factor": 0})
 
 
+@pytest.mark.parametrize("family,kw", [("mistral", dict(mlp_bias=True, attention_bias=True)),
+                                       ("qwen2", dict(mlp_bias=True, attention_bias=True)),
+                                       ("qwen3", dict(mlp_bias=True))])
+def test_a_bias_flag_the_class_does_not_read_is_no_reason_to_refuse(family, kw, tmp_path):
+    """Mistral, Qwen2 and Qwen3 build bias-free MLPs (Mistral bias-free attention, Qwen2 its own q/k/v biases)
+    whatever mlp_bias / attention_bias say: transformers runs such a config as without the flag, and snlp refused
+    it as biased. Converted now, from an object and a folder, with transformers' logits (fp64); the classes that
+    read the flags (Llama's mlp_bias, Llama's and Qwen3's attention_bias) stay refused."""
+    hf = hf_tiny(family, layers=2, dtype=torch.float64, **kw)
+    assert not any(n.endswith("bias") and ("mlp" in n or "o_proj" in n) for n, _ in hf.named_parameters())
+    hf.save_pretrained(str(tmp_path / "m"))
+    with torch.no_grad():
+        for src in (hf, str(tmp_path / "m")):
+            torch.testing.assert_close(from_hf(src)[0](ids()), hf(ids()).logits, atol=1e-6, rtol=0)
+    for C, flag in ((transformers.LlamaConfig, "mlp_bias"), (transformers.LlamaConfig, "attention_bias"),
+                    (transformers.Qwen3Config, "attention_bias")):
+        with pytest.raises(ValueError, match=f"unsupported option {flag}=True"):
+            config_from_hf(C(**{flag: True}))
+
+
 def test_missing_and_corrupt_sources(tmp_path):
     with pytest.raises(FileNotFoundError, match="GGUF file"):
         from_hf(str(tmp_path / "nope.gguf"))
@@ -659,6 +679,86 @@ def test_other_rope_types_are_refused_in_one_line_before_the_weights_load(rope, 
     assert main(["convert", str(tmp_path / "m"), "--out", str(tmp_path / "ck")]) == 2
     err = capsys.readouterr().err
     assert f"unsupported rope type '{rope['rope_type']}'" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 2.0},
+                                  {**LLAMA3, "original_max_position_embeddings": 64}], ids=["linear", "llama3"])
+def test_a_scaled_rope_of_part_of_each_head_is_refused_not_converted_as_a_full_rotation(rope, tmp_path, capsys):
+    """partial_rotary_factor < 1 with a linear / llama3 table: transformers builds frequencies for
+    int(head_dim * factor) dims only and its forward fails on them; snlp rotated every dimension, a model no config
+    describes. Refused in one line, from an object and from a folder whose weights are never read. The default
+    table ignores the field in transformers' Llama, and so does snlp: the same logits."""
+    from snlp.apps.cli import main
+
+    part = {"rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    hf = hf_tiny("llama", layers=2, rope_parameters={**part, **rope})
+    with pytest.raises(RuntimeError), torch.no_grad():
+        hf(ids())  # transformers cannot run it either
+    with pytest.raises(ValueError, match="unsupported partial_rotary_factor=0.5"):
+        from_hf(hf)
+    hf.save_pretrained(str(tmp_path / "m"))
+    word_tokenizer(V).save_pretrained(str(tmp_path / "m"))
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"corrupt")
+    capsys.readouterr()  # (save_pretrained's progress bar)
+    assert main(["convert", str(tmp_path / "m"), "--out", str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err
+    assert "unsupported partial_rotary_factor=0.5" in err and err.count("\n") == 1, err
+    hf = hf_tiny("llama", layers=2, dtype=torch.float64, rope_parameters={**part, "rope_type": "default"})
+    with torch.no_grad():
+        torch.testing.assert_close(from_hf(hf)[0](ids()), hf(ids()).logits, atol=1e-6, rtol=0)
+
+
+def test_a_head_of_its_own_under_a_tied_config_is_converted_as_transformers_computes_it(tmp_path):
+    """tie_word_embeddings=True in the config, but the logits come from an lm_head of its own: a folder whose weights
+    hold their own lm_head.weight (transformers 5 loads it untied) and a model object whose head was given its own
+    tensor. snlp tied the head to the embedding by the config's flag and computed other logits; fp64, reference
+    transformers' forward; the export of the conversion loads in transformers with the same logits."""
+    x = ids()
+    untied = hf_tiny("llama", layers=2, dtype=torch.float64)
+    untied.save_pretrained(str(tmp_path / "m"))
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "m")).eval()
+    obj = hf_tiny("llama", layers=2, dtype=torch.float64, tie_word_embeddings=True)
+    obj.lm_head.weight = torch.nn.Parameter(obj.lm_head.weight + 0.1)
+    for src, hf in ((str(tmp_path / "m"), ref), (obj, obj)):
+        model, _ = from_hf(src)
+        with torch.no_grad():
+            tied_logits = hf.model(x).last_hidden_state @ hf.model.embed_tokens.weight.T
+            assert (hf(x).logits - tied_logits).abs().max() > 1e-2  # the head of its own is what transformers reads
+            torch.testing.assert_close(model(x), hf(x).logits, atol=1e-6, rtol=0)
+        assert not model.config.tie_embeddings
+        with torch.no_grad():
+            out = tmp_path / f"exp{id(src)}"
+            back = transformers.AutoModelForCausalLM.from_pretrained(str(export_hf(model, out))).eval()
+            torch.testing.assert_close(back(x).logits, model(x), atol=1e-6, rtol=0)
+    tied = hf_tiny("llama", layers=2, tie_word_embeddings=True)  # a head that is the embedding stays tied
+    assert from_hf(tied)[0].config.tie_embeddings
+
+
+@pytest.mark.parametrize("bad", ['{"version": "1.0", "model": {"type": "BPE"}}', "{not json"],
+                         ids=["no-added-tokens", "not-json"])
+def test_a_folder_whose_tokenizer_cannot_be_read_says_so_in_one_line(bad, tmp_path, capsys):
+    """A tokenizer.json transformers cannot read: one lacking a key crashed `snlp convert` with a KeyError traceback,
+    one that is no JSON was dropped without a word (from_hf returned no tokenizer; convert said the folder had
+    none). Both are named; a tokenizer passed by the caller is used without reading the folder's, and a folder
+    without tokenizer files still converts without one."""
+    from snlp.apps.cli import main
+
+    _, d = _tiny_dir(tmp_path)
+    (d / "tokenizer.json").write_text(bad)
+    with pytest.raises(ValueError, match=r"cannot read the tokenizer of .*tokenizer\.json"):
+        from_hf(str(d))
+    capsys.readouterr()
+    assert main(["convert", str(d), "--out", str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]  # (transformers' progress bar aside)
+    assert len(errors) == 1 and "cannot read the tokenizer" in errors[0] and "Traceback" not in err, err
+    assert from_hf(str(d), tokenizer=word_tokenizer(V))[1].vocab_size == V
+    for f in d.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            f.unlink()
+    assert from_hf(str(d))[1] is None
 
 
 def test_a_text_prompt_is_encoded_as_transformers_tokenizer_encodes_it():
