@@ -30,8 +30,8 @@ def add_arguments(p) -> None:
                         "rope_bf16=false): picks the nanochat version where its files cannot say which wrote them "
                         "(the refusal lists the fields of each), or replaces a version's constant")
     p.add_argument("--out", required=True, help="checkpoint directory to write")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weight dtype of the checkpoint")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"],
+                   help="weight dtype of the checkpoint (float64 keeps an fp64 source unrounded)")
 
 
 def parse_overrides(items: list[str]) -> dict:

@@ -1338,3 +1338,27 @@ def test_an_interrupted_export_leaves_no_folder_that_loads_as_a_model_without_it
         export_hf(model, tmp_path / "extra", config_extra={"vocab_size": 5, "note": 1})
     assert json.loads((export_hf(model, tmp_path / "extra", config_extra={"note": 1}) / "config.json").read_text())[
         "note"] == 1
+
+
+def test_convert_keeps_an_fp64_source_in_fp64_when_asked(tmp_path):
+    """`snlp convert --dtype` offered no float64, so an fp64 transformers folder could only be converted rounded to
+    fp32 (its logits then ~1e-7 off the source's). With --dtype float64 the checkpoint stores fp64 weights equal to
+    the source's, bit for bit, and its logits equal transformers' fp64 forward to fp64 round-off (transformers keeps
+    RoPE and RMSNorm in fp32 even in an fp64 model, hence not 1e-12)."""
+    from snlp.apps.cli import main
+    from snlp.io.checkpoint import stored_dtype
+
+    hf = hf_tiny("llama", layers=2, dtype=torch.float64)
+    src = tmp_path / "src"
+    hf.save_pretrained(str(src))
+    word_tokenizer(V).save_pretrained(str(src))
+    assert main(["convert", str(src), "--out", str(tmp_path / "ck"), "--dtype", "float64"]) == 0
+    assert stored_dtype(tmp_path / "ck") == torch.float64
+    model, _ = load(tmp_path / "ck", dtype=torch.float64)
+    assert torch.equal(model.wte.weight, hf.model.embed_tokens.weight.detach())
+    idx = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf(idx).logits
+        got = model(idx)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
