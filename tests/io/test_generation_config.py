@@ -584,20 +584,24 @@ def test_generate_names_a_penalty_only_its_flag_applies(tmp_path, capsys):
         assert tokens == default and note == [], (flags, note)
 
 
+def converted_with_generation_config(hf_dir, tmp_path, **update) -> tuple:
+    """(checkpoint dir, its tokenizer meta): `hf_dir` converted, its generation_config updated with `update`."""
+    d, _, _ = hf_dir
+    ck = tmp_path / "ck"
+    assert main(["convert", str(d), "--out", str(ck)]) == 0
+    meta_file = ck / "tokenizer_meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["generation_config"].update(update)
+    meta_file.write_text(json.dumps(meta))
+    return ck, meta
+
+
 def test_generate_on_a_config_sampling_at_temperature_0_offers_no_temperature_0(hf_dir, tmp_path, capsys):
     """A generation_config with do_sample true at temperature 0 (transformers' generate() raises on it): the note
     said generate() "draws by default" and offered "--temperature 0 ... to sample alike", greedy decoding; it now
     says generate() refuses it, and names the call each run compares with."""
-    import shutil
-
     d, _, _ = hf_dir
-    assert main(["convert", str(d), "--out", str(tmp_path / "base")]) == 0
-    ck = tmp_path / "ck"
-    shutil.copytree(tmp_path / "base", ck)
-    meta_file = ck / "tokenizer_meta.json"
-    meta = json.loads(meta_file.read_text())
-    meta["generation_config"].update(do_sample=True, temperature=0.0)
-    meta_file.write_text(json.dumps(meta))
+    ck, meta = converted_with_generation_config(hf_dir, tmp_path, do_sample=True, temperature=0.0)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(d)).eval()
     hf.generation_config = transformers.GenerationConfig(**meta["generation_config"])
     with torch.no_grad(), pytest.raises(ValueError, match="temperature"):  # the reference: transformers refuses it
@@ -621,17 +625,8 @@ def test_the_note_says_which_values_are_transformers_defaults(hf_dir, tmp_path, 
     own defaults (top_k 50, top_p 1), and the note named all three "(its generation_config)" to a run given
     --top-k 20. Each value's source is now said; the values are generate()'s own (the reference: transformers'
     default generation parameters)."""
-    import shutil
-
-    d, _, _ = hf_dir
-    assert main(["convert", str(d), "--out", str(tmp_path / "base")]) == 0
-    ck = tmp_path / "ck"
-    shutil.copytree(tmp_path / "base", ck)
-    meta_file = ck / "tokenizer_meta.json"
-    meta = json.loads(meta_file.read_text())
-    meta["generation_config"].update(do_sample=True, temperature=0.7)
+    ck, meta = converted_with_generation_config(hf_dir, tmp_path, do_sample=True, temperature=0.7)
     assert meta["generation_config"].get("top_k") is None and meta["generation_config"].get("top_p") is None
-    meta_file.write_text(json.dumps(meta))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         filled = transformers.GenerationConfig()._get_default_generation_params()

@@ -659,6 +659,19 @@ def test_linear_rope_scaling_and_swish_convert_exactly_and_export_back(tmp_path)
         torch.testing.assert_close(model(x), ref(x).logits, atol=1e-5, rtol=1e-5)
 
 
+def convert_refusal_of_a_folder(hf, tmp_path, capsys) -> str:
+    """`snlp convert`'s stderr for `hf` saved as a folder whose weights are corrupt (a refusal from the config must
+    come before they are read), its exit status 2 checked."""
+    from snlp.apps.cli import main
+
+    hf.save_pretrained(str(tmp_path / "m"))
+    word_tokenizer(V).save_pretrained(str(tmp_path / "m"))
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"corrupt")
+    capsys.readouterr()  # (save_pretrained's progress bar)
+    assert main(["convert", str(tmp_path / "m"), "--out", str(tmp_path / "ck")]) == 2
+    return capsys.readouterr().err
+
+
 @pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0},
                                   {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64},
                                   {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
@@ -667,17 +680,10 @@ def test_other_rope_types_are_refused_in_one_line_before_the_weights_load(rope, 
     """dynamic (frequencies that change with the sequence length), yarn and longrope (cos/sin scaled too) have no
     fixed RoPE table in snlp: refused by name, from an object and from a folder whose weights are never read (here
     they are corrupt, and the error is the rope type's)."""
-    from snlp.apps.cli import main
-
     hf = hf_tiny("llama", layers=2, rope_parameters={"rope_theta": 10000.0, **rope})
     with pytest.raises(ValueError, match=f"unsupported rope type '{rope['rope_type']}'"):
         from_hf(hf)
-    hf.save_pretrained(str(tmp_path / "m"))
-    word_tokenizer(V).save_pretrained(str(tmp_path / "m"))
-    (tmp_path / "m" / "model.safetensors").write_bytes(b"corrupt")
-    capsys.readouterr()  # (save_pretrained's progress bar)
-    assert main(["convert", str(tmp_path / "m"), "--out", str(tmp_path / "ck")]) == 2
-    err = capsys.readouterr().err
+    err = convert_refusal_of_a_folder(hf, tmp_path, capsys)
     assert f"unsupported rope type '{rope['rope_type']}'" in err and err.count("\n") == 1, err
 
 
@@ -688,20 +694,13 @@ def test_a_scaled_rope_of_part_of_each_head_is_refused_not_converted_as_a_full_r
     int(head_dim * factor) dims only and its forward fails on them; snlp rotated every dimension, a model no config
     describes. Refused in one line, from an object and from a folder whose weights are never read. The default
     table ignores the field in transformers' Llama, and so does snlp: the same logits."""
-    from snlp.apps.cli import main
-
     part = {"rope_theta": 10000.0, "partial_rotary_factor": 0.5}
     hf = hf_tiny("llama", layers=2, rope_parameters={**part, **rope})
     with pytest.raises(RuntimeError), torch.no_grad():
         hf(ids())  # transformers cannot run it either
     with pytest.raises(ValueError, match="unsupported partial_rotary_factor=0.5"):
         from_hf(hf)
-    hf.save_pretrained(str(tmp_path / "m"))
-    word_tokenizer(V).save_pretrained(str(tmp_path / "m"))
-    (tmp_path / "m" / "model.safetensors").write_bytes(b"corrupt")
-    capsys.readouterr()  # (save_pretrained's progress bar)
-    assert main(["convert", str(tmp_path / "m"), "--out", str(tmp_path / "ck")]) == 2
-    err = capsys.readouterr().err
+    err = convert_refusal_of_a_folder(hf, tmp_path, capsys)
     assert "unsupported partial_rotary_factor=0.5" in err and err.count("\n") == 1, err
     hf = hf_tiny("llama", layers=2, dtype=torch.float64, rope_parameters={**part, "rope_type": "default"})
     with torch.no_grad():
