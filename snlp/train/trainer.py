@@ -74,6 +74,12 @@ class Run:
     def out(self) -> Path:
         return Path(self.cfg.out)
 
+    @functools.cached_property
+    def share_dtype(self) -> torch.dtype:
+        """The DDP token shares' dtype (token_shares): fp32, or the weights' when wider. An fp32 share of an fp64
+        model rounded its loss weights (and so the gradients and the logged loss) to fp32 (~1e-8 relative)."""
+        return functools.reduce(torch.promote_types, {p.dtype for p in self.job.model.parameters()}, torch.float32)
+
 
 @dataclass
 class LoopState:
@@ -336,9 +342,6 @@ def train_step(run: Run, state: LoopState) -> StepStats:
     # mean (an in-place += into an fp32 zero rounded every micro-batch's CE to fp32)
     ce_sum = torch.zeros((), device=ctx.device)
     reg_sum = torch.zeros((), device=ctx.device)
-    # the DDP shares in the same rule's dtype, the weights' when wider: an fp32 share of an fp64 model rounded its
-    # loss weights (and so the gradients and the logged loss) to fp32 (~1e-8 relative)
-    share_dtype = functools.reduce(torch.promote_types, {p.dtype for p in run.job.model.parameters()}, torch.float32)
     n_tok = 0
     for a in range(cfg.grad_accum):
         x, y, valid = unpack(run.job.batch(state.micro, ctx.rank, ctx.world))
@@ -346,7 +349,7 @@ def train_step(run: Run, state: LoopState) -> StepStats:
         # the tokens a step trains on: a padded batch's real positions (a host-side count, the mask is still on
         # the CPU), so tokens/s and MFU do not count padding (--compile pads every SFT batch to one length)
         n_tok += x.numel() if valid is None else int(valid.sum())
-        share = token_shares(micro_counts(run.job, y, valid), ctx, share_dtype) if ctx.world > 1 else None
+        share = token_shares(micro_counts(run.job, y, valid), ctx, run.share_dtype) if ctx.world > 1 else None
         x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
         extra = () if valid is None else (valid.to(ctx.device, non_blocking=True),)
         if run.flops_per_token is None:  # once, on the real step's batch (the eager module: the same math);
