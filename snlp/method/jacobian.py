@@ -109,8 +109,10 @@ def check_fd_step(plan: "Plan", dtype: torch.dtype, device_type: str) -> None:
     estimator would run with the floor under the plan's name (on fp32, eps:1e-5 and eps:1e-4 were one computation).
     The default eps is left to be raised (bf16, fp16), as the module docstring says."""
     sur = plan.surrogate
+    if getattr(sur, "estimator", None) != "fd":  # first: solve calls this on every call, and most plans are not DiagN
+        return
     default = {f.name: f.default for f in dataclasses.fields(sur)}.get("eps") if dataclasses.is_dataclass(sur) else None
-    if getattr(sur, "estimator", None) != "fd" or sur.eps == default:
+    if sur.eps == default:
         return
     cd = compute_dtype(dtype, device_type)
     floor = fd_floor(cd)
