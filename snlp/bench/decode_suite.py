@@ -37,6 +37,7 @@ speedup from a given acceptance rate.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import inspect
 import json
@@ -60,7 +61,7 @@ from snlp.io.generation import model_repetition_penalty
 from snlp.io.source import did_you_mean, home_path
 from snlp.method.plan import Plan
 from snlp.method.solver import bind
-from snlp.model.gpt import GPT, GPTConfig
+from snlp.model.gpt import GPT, GPTConfig, eval_mode
 from snlp.runtime.device import device_label
 from snlp.runtime.load import LoadWindow, own_threads
 from snlp.runtime.timing import now, round_order
@@ -726,82 +727,112 @@ def run_batch(model: GPT, hf, prompts: list, ref: list, cfg: DecodeSuiteConfig, 
     return rows
 
 
+def given_model_config(config: DecodeSuiteConfig, model: GPT) -> DecodeSuiteConfig:
+    """`config` with the given model's device and dtype where it leaves them None; a ValueError where it names others
+    (or the model's parameters are not of one dtype on one device): the suite times a caller's model as it is and
+    never casts or moves it (a cast in place returned an fp64 model to its caller in fp32)."""
+    params = list(model.parameters())
+    dtypes, devices = {p.dtype for p in params}, {p.device for p in params}
+    if len(dtypes) != 1 or len(devices) != 1:
+        raise ValueError(f"decode suite: the given model's parameters are of {len(dtypes)} dtypes on {len(devices)} "
+                         f"devices; pass a model of one dtype on one device")
+    (dt,), (dev,) = dtypes, devices
+    name = str(dt).removeprefix("torch.")
+    want = torch.device(config.device) if config.device is not None else dev
+    same_device = want.type == dev.type and (want.index is None or want.index == dev.index)
+    if not same_device or config.dtype not in (None, name):
+        raise ValueError(f"decode suite: the given model is {name} on {dev} and the config asks "
+                         f"{config.dtype or name} on {want}; the suite times a given model as it is, never casting or "
+                         f"moving it: pass it cast and moved (model.to(...)), or leave device and dtype None")
+    return replace(config, device=str(dev), dtype=name)
+
+
 def run_decode_suite(config: DecodeSuiteConfig, model: GPT | None = None, tok=None, label: str | None = None,
                      progress=None) -> DecodeSuiteResult:
-    """Run the suite (module docstring) on `config.ckpt` (or a given CPU `model`, moved to the run's device and
-    dtype in place); one result with every row. `progress(result, what)` is called with the rows
-    so far after every first call, every later round and each batch size (the CLI rewrites its files there: a run
-    cut short keeps every round it finished; `result.complete` is True only once every batch size has run)."""
+    """Run the suite (module docstring) on `config.ckpt` (loaded, then cast to the run's device and dtype) or on a
+    given `model`, timed as it is: its device and dtype are the run's where `config` leaves them None, and a config
+    that names others is refused (a ValueError before any work), so the caller's model comes back on its device, in
+    its dtype, with every submodule in the train / eval mode it came in (the other benchmarks' `eval_mode`); one
+    result with every row. `progress(result, what)` is called with the rows so far after every first call, every
+    later round and each batch size (the CLI rewrites its files there: a run cut short keeps every round it
+    finished; `result.complete` is True only once every batch size has run)."""
+    if model is not None:
+        config = given_model_config(config, model)
     cfg = config.resolved()
     threads = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     try:
         given = read_prompts_file(cfg.prompts_file) if cfg.prompts_file else None
-        if model is None:
+        own = model is None
+        if own:
             V = vocab_before_load(cfg.ckpt, cfg.quick) if given else None
             if V is not None:  # token-id prompts outside the vocabulary: refused before the weights load
                 for i, p in enumerate(given[:cfg.prompt_count()], 1):
                     if isinstance(p, list):
                         checked_ids(i, cfg.prompts_file, p, cfg.prompt_len, V)
             model, tok, label = load_model(cfg.ckpt, cfg.quick, cfg.seed)
-        L = model.config.n_layer
-        plans = [Plan.parse(p, L) for p in (cfg.plans or (f"{max(1, L // 2)}xF1-h0-K1",))]
-        for p in plans:
-            p.check(L)
-        early_exit = cfg.early_exit or max(1, L // 4)
-        if early_exit >= L:
-            raise ValueError(f"decode suite: early exit E={early_exit} must be below the model's {L} layers")
-        device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
-        drafter = None
-        if cfg.drafter:  # checked against the fp32 weights it was adapted from, before any cast
-            from snlp.io.drafter import load_drafter
+        with contextlib.ExitStack() as modes:
+            modes.enter_context(eval_mode(model))  # every submodule leaves in the train / eval mode it came in
+            L = model.config.n_layer
+            plans = [Plan.parse(p, L) for p in (cfg.plans or (f"{max(1, L // 2)}xF1-h0-K1",))]
+            for p in plans:
+                p.check(L)
+            early_exit = cfg.early_exit or max(1, L // 4)
+            if early_exit >= L:
+                raise ValueError(f"decode suite: early exit E={early_exit} must be below the model's {L} layers")
+            device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
+            drafter = None
+            if cfg.drafter:  # checked against the fp32 weights it was adapted from, before any cast
+                from snlp.io.drafter import load_drafter
 
-            drafter = load_drafter(cfg.drafter, model)
-        hf, hf_note = (None, "--no-transformers") if not cfg.transformers else hf_twin(model, device, dtype)
-        model = model.to(device=device, dtype=dtype).eval()
-        if drafter is not None:  # its prefix is the model's own modules (moved above); its suffix follows
-            drafter.model.to(device=device, dtype=dtype).eval()
-        prompts, kind = make_prompts(model, tok, cfg.prompt_count(), cfg.prompt_len, cfg.seed, given,
-                                     cfg.prompts_file)
-        if cfg.repetition_penalty is not None:
-            penalty, source = cfg.repetition_penalty, "given"
-        else:
-            penalty = model_repetition_penalty(tok, f"{label or 'the model'}: its generation_config")
-            source = "generation_config" if penalty != 1.0 else "none"
-        eager = sequential_step(model, False)
-        ref = [sequential_generate(model, p, cfg.new_tokens, step=eager, repetition_penalty=penalty).tokens
-               for p in prompts]  # one prompt alone
-        c = model.config
-        meta = DecodeSuiteMeta(
-            device=device_label(device), device_type=device.type, torch=torch.__version__, cuda=torch.version.cuda,
-            transformers=transformers_version()[0], dtype=cfg.dtype,
-            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), command=cfg.command,
-            platform=platform.platform(), threads=torch.get_num_threads(), model=label or "a given model",
-            n_layer=c.n_layer, n_embd=c.n_embd, prompts=kind, prompt_len=cfg.prompt_len, new_tokens=cfg.new_tokens,
-            hf_note=hf_note, read_every=read_every(device), repetition_penalty=penalty,
-            repetition_penalty_from=source)
-        window = LoadWindow.begin()  # sampled between batch sizes, outside every timed round
-        meta.load = window.to_json()
-        result = DecodeSuiteResult(cfg, meta, [], prompts, ref)
-        steps = build_steps(model, plans, cfg.treatments, drafter)
-        for B in cfg.batch_sizes:
-            done = list(result.rows)
+                drafter = load_drafter(cfg.drafter, model)
+                modes.enter_context(eval_mode(drafter.model))  # its prefix is the model's modules: restored first
+            hf, hf_note = (None, "--no-transformers") if not cfg.transformers else hf_twin(model, device, dtype)
+            if own:  # a loaded model is the suite's own to cast; a given one already is the run's (given_model_config)
+                model.to(device=device, dtype=dtype)
+            if drafter is not None:  # its prefix is the model's own modules (cast above, or the caller's as they are);
+                drafter.model.to(device=device, dtype=dtype)  # its suffix follows
+            prompts, kind = make_prompts(model, tok, cfg.prompt_count(), cfg.prompt_len, cfg.seed, given,
+                                         cfg.prompts_file)
+            if cfg.repetition_penalty is not None:
+                penalty, source = cfg.repetition_penalty, "given"
+            else:
+                penalty = model_repetition_penalty(tok, f"{label or 'the model'}: its generation_config")
+                source = "generation_config" if penalty != 1.0 else "none"
+            eager = sequential_step(model, False)
+            ref = [sequential_generate(model, p, cfg.new_tokens, step=eager, repetition_penalty=penalty).tokens
+                   for p in prompts]  # one prompt alone
+            c = model.config
+            meta = DecodeSuiteMeta(
+                device=device_label(device), device_type=device.type, torch=torch.__version__, cuda=torch.version.cuda,
+                transformers=transformers_version()[0], dtype=cfg.dtype,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), command=cfg.command,
+                platform=platform.platform(), threads=torch.get_num_threads(), model=label or "a given model",
+                n_layer=c.n_layer, n_embd=c.n_embd, prompts=kind, prompt_len=cfg.prompt_len, new_tokens=cfg.new_tokens,
+                hf_note=hf_note, read_every=read_every(device), repetition_penalty=penalty,
+                repetition_penalty_from=source)
+            window = LoadWindow.begin()  # sampled between batch sizes, outside every timed round
+            meta.load = window.to_json()
+            result = DecodeSuiteResult(cfg, meta, [], prompts, ref)
+            steps = build_steps(model, plans, cfg.treatments, drafter)
+            for B in cfg.batch_sizes:
+                done = list(result.rows)
 
-            def partial(rows: list[DecodeSuiteRow], what: str, B=B, done=done) -> None:
-                result.rows = done + rows
-                progress(result, f"batch {B}: {what}")
+                def partial(rows: list[DecodeSuiteRow], what: str, B=B, done=done) -> None:
+                    result.rows = done + rows
+                    progress(result, f"batch {B}: {what}")
 
-            N = cfg.prompts or B  # prompts per call, B at a time
-            result.rows = done + run_batch(model, hf, prompts[:N], ref[:N], cfg, plans, steps, early_exit, hf_note,
-                                           None if drafter is None else drafter.plan,
-                                           partial if progress is not None else None, batch=B, penalty=penalty)
-            meta.load = window.sample().to_json()
-            if progress is not None:
-                progress(result, f"batch {B} done")
-        meta.load = window.close().to_json()
-        result.complete = True  # after the loop: a batch size may be listed twice
-        return result
+                N = cfg.prompts or B  # prompts per call, B at a time
+                result.rows = done + run_batch(model, hf, prompts[:N], ref[:N], cfg, plans, steps, early_exit, hf_note,
+                                               None if drafter is None else drafter.plan,
+                                               partial if progress is not None else None, batch=B, penalty=penalty)
+                meta.load = window.sample().to_json()
+                if progress is not None:
+                    progress(result, f"batch {B} done")
+            meta.load = window.close().to_json()
+            result.complete = True  # after the loop: a batch size may be listed twice
+            return result
     finally:
         torch.set_num_threads(threads)
 

@@ -685,3 +685,41 @@ def test_a_causal_plan_is_never_called_exact_and_its_speculative_rows_are():
     spec = next(r for r in res.rows if r.method == "snlp speculative")
     assert snlp.plan == "3xF1-h0-K3-causal" and not snlp.exact
     assert spec.exact and spec.matches_sequential
+
+
+def test_a_given_model_comes_back_as_it_was_given_and_a_config_asking_another_dtype_is_refused(tmp_path):
+    """run_decode_suite cast a caller's model in place (`model.to(device, dtype).eval()`): an fp64 model in train mode
+    came back fp32 and in eval mode. A given model is now timed as it is (its dtype and device are the run's, the other
+    benchmarks' eval_mode restores every submodule's mode), with an adapted drafter built on it too; a config naming
+    another dtype is refused before any work. Reference: a fresh copy of the model taken before the call."""
+    import copy
+
+    from conftest import make_model
+
+    from snlp.io.drafter import save_drafter
+    from snlp.method.drafter import make_drafter
+
+    m = make_model(seed=2, n_layer=4).train()
+    m.blocks[1].eval()  # a caller's mixed modes: a frozen block among trained ones
+    d = make_drafter(m, "3xF1-h0-K1")
+    save_drafter(tmp_path / "dr", d)
+    before = copy.deepcopy(m)
+    modes = [mod.training for mod in m.modules()]
+    params = [p for p in m.parameters()]
+    cfg = DecodeSuiteConfig(quick=True, batch_sizes=(1,), prompt_len=5, new_tokens=4, plans=("3xF1-h0-K1",),
+                            blocks=(2,), rounds=1, warmup=0, transformers=False, drafter=str(tmp_path / "dr"))
+    res = run_decode_suite(cfg, model=m)
+    assert res.config.dtype == "float64" and res.config.device == "cpu"
+    assert res.reference == [argmax_loop(before, p, 4) for p in res.prompts]  # it decoded the fp64 model
+    assert "snlp speculative (drafter)" in {r.method for r in res.rows}
+    assert [mod.training for mod in m.modules()] == modes
+    assert all(a is b for a, b in zip(m.parameters(), params, strict=True))  # the caller's own tensors
+    for (k, a), (k2, b) in zip(m.state_dict().items(), before.state_dict().items()):
+        assert k == k2 and a.dtype == b.dtype == torch.float64 and a.device == b.device and torch.equal(a, b), k
+    for bad, why in ((dict(dtype="float32"), "the given model is float64 on cpu and the config asks float32 on cpu"),
+                     (dict(device="meta"), "the config asks float64 on meta")):
+        with pytest.raises(ValueError, match=why):
+            run_decode_suite(DecodeSuiteConfig(quick=True, batch_sizes=(1,), transformers=False, **bad), model=m)
+        assert [mod.training for mod in m.modules()] == modes
+        assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(m.state_dict().values(),
+                                                                           before.state_dict().values()))
