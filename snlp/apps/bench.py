@@ -799,6 +799,7 @@ def run_decode_suite_cli(args, command: str) -> int:
     from snlp.bench.decode_suite import DecodeSuiteConfig, markdown, progress_line, run_decode_suite, suite_source
     from snlp.bench.ssd_prediction import paper_shape_prediction, prediction_markdown
     from snlp.bench.records import write_csv, write_json
+    from snlp.method.plan import parse_plans
     from snlp.runtime.device import write_atomic
 
     refused = [flag for flag, used in (
@@ -817,7 +818,10 @@ def run_decode_suite_cli(args, command: str) -> int:
         raise ValueError("--suite decode: give the treatments once, --treatments or --compile (= eager,compiled)")
     treatments = split(args.treatments) if args.treatments else ("eager", "compiled") if args.compile else None
     blocks = _ints(args.blocks, "--blocks")
-    plans = split(args.suite_plans)
+    # read as --plans is (parse_plans): a K past the plan's exact count is capped to it with a warning (it changes
+    # no token and only costs time), a plan named twice is refused; the depth is checked once the model is known
+    plans = None if args.suite_plans is None else tuple(str(p) for p in parse_plans(args.suite_plans,
+                                                                                     flag="--suite-plans"))
     if args.shapes:
         if args.ckpt or args.drafter:
             raise ValueError("--suite decode --shapes times random weights at the paper's shapes; drop --ckpt and "

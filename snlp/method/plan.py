@@ -481,10 +481,11 @@ def cli_plan(text: str, n_layer: int | None = None) -> Plan:
     return capped
 
 
-def parse_plans(text: str, n_layer: int | None = None) -> list[Plan]:
+def parse_plans(text: str, n_layer: int | None = None, flag: str = "--plans") -> list[Plan]:
     """Comma-separated plan list, e.g. '1xF12-h0-K1,12xF1-h0-K1', each read by `cli_plan` (K capped). A plan named
     twice (as written, or as two spellings of one canonical plan: 8xF1-K1 and 8xF1-h0-K1) is refused: every consumer
-    keys its rows, runners or output files by the plan, so the second would silently replace or repeat the first."""
+    keys its rows, runners or output files by the plan, so the second would silently replace or repeat the first.
+    `flag`: the option the list came from, as the refusal names it (e.g. `snlp bench --suite decode --suite-plans`)."""
     if not isinstance(text, str):  # a list failed with "'list' object has no attribute 'split'"
         raise ValueError(f"parse_plans reads one comma-separated string (e.g. '12xF1-h0-K1,6xF2-h0-K1'), got "
                          f"{type(text).__name__}: for a list, parse each with snlp.Plan.parse(p, n_layer)")
@@ -494,7 +495,7 @@ def parse_plans(text: str, n_layer: int | None = None) -> list[Plan]:
         c = str(plan)
         if c in seen:
             same = "" if seen[c] == p else f" ({seen[c]} and {p} are one plan)"
-            raise ValueError(f"--plans lists {c} twice{same}: give each plan once")
+            raise ValueError(f"{flag} lists {c} twice{same}: give each plan once")
         seen[c] = p
         plans.append(plan)
     if not plans:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import re
 import sys
 
 import pytest
@@ -723,3 +724,23 @@ def test_a_given_model_comes_back_as_it_was_given_and_a_config_asking_another_dt
         assert [mod.training for mod in m.modules()] == modes
         assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(m.state_dict().values(),
                                                                            before.state_dict().values()))
+
+
+def test_suite_plans_cap_a_k_past_the_exact_count_with_the_warning_plans_give(tmp_path, capsys):
+    """`--suite-plans 3xF1-h0-K9` ran K = 9 (the row said exact, the time was nine iterations) with no word, where
+    `--plans` caps K at the exact count with a warning (snlp.method.plan.cli_plan). The suite now reads its plans as
+    `--plans` does: the same warning, the capped plan run; a plan named twice (once capped) is refused, naming the
+    suite's flag."""
+    out = tmp_path / "d.json"
+    says = ("plan 3xF1-h0-K9: K = 9 is beyond K = 3, from which the plan is exact (its output equals the model run "
+            "sequentially); running 3xF1-h0-K3")
+    with pytest.warns(UserWarning, match=re.escape(says)):
+        assert main(["bench", "--suite", "decode", "--quick", "--device", "cpu", "--suite-plans", "3xF1-h0-K9",
+                     "--batch-sizes", "1", "--suite-runs", "1", "--suite-warmup", "0", "--no-transformers",
+                     "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["plan"] for r in rows if r["method"] in ("snlp snlp", "snlp speculative")} == {"3xF1-h0-K3"}
+    with pytest.warns(UserWarning, match="running 3xF1-h0-K3"):
+        assert main(["bench", "--suite", "decode", "--quick", "--device", "cpu",
+                     "--suite-plans", "3xF1-h0-K3,3xF1-h0-K9"]) == 2
+    assert "--suite-plans lists 3xF1-h0-K3 twice (3xF1-h0-K3 and 3xF1-h0-K9 are one plan)" in capsys.readouterr().err
