@@ -849,14 +849,21 @@ def summary(result: TuneResult) -> list[str]:
                 + ("s" if p.threads != 1 else "") + (", compiled" if p.compiled else ""))
         # a ratio its paired rounds do not resolve says so where it is printed, not only in a note further down
         tie = bool(p.round_speedups) and paired_verdict(p.round_speedups)[0] == "tie"
-        line = (f"{g} pick: {what}: measured {p.tokens_per_s:.0f} tok/s ({p.measured_speedup:.2f}x sequential"
-                + (f", {verdict_text(p.round_speedups, rounds='rounds')}" if tie else "") + "), "
-                f"predicted {p.predicted_speedup:.2f}x; {result.pick_rule.get(g, '')}")
+        # tokens_per_s is not a rate any run had: the measured speedup times the setting's median sequential rate
+        # (_normalise, so candidates whose rounds ran under other loads compare on one baseline); the sentence says
+        # so, with the pick's own median beside it
+        line = (f"{g} pick: {what}: measured {p.measured_speedup:.2f}x sequential"
+                + (f" ({verdict_text(p.round_speedups, rounds='rounds')})" if tie else "")
+                + f", i.e. {p.tokens_per_s:.0f} tok/s at its setting's median sequential "
+                f"{p.tokens_per_s / p.measured_speedup:.0f} tok/s"
+                + (f" (its own runs' median: {p.raw_tokens_per_s:.0f} tok/s)" if p.raw_tokens_per_s is not None else "")
+                + f"; predicted {p.predicted_speedup:.2f}x; {result.pick_rule.get(g, '')}")
         if result.grid_best is None:
             line += "; full-grid validation: not run (--full-grid)"
         elif (b := result.grid_best[g]) is not None:
             line += f"; best of the measured grid (highest median): `{b.plan}`" + (f" B={b.block}" if b.block else "") \
-                + f" {b.tokens_per_s:.0f} tok/s; pick / best = {result.pick_vs_best[g]:.3f}"
+                + f" {b.tokens_per_s:.0f} tok/s at its setting's median sequential; pick / best = " \
+                f"{result.pick_vs_best[g]:.3f}"
             if b is not p:  # a ratio under 1 is a loss only where the rounds resolve the grid best's lead
                 resolved, how = _leads(b, p)
                 line += f" ({'resolved' if resolved else 'a tie'}: the grid best {how})"

@@ -125,8 +125,15 @@ def test_tables_and_json_carry_every_record(grid):
     for line in summary(r)[:2]:  # each pick's measured ratio carries its verdict where its rounds do not resolve it
         p = r.picks[line.split()[0]]
         wins = sum(x > 1 for x in p.round_speedups)
-        assert (f"x sequential, a tie with sequential: faster in {wins} of {len(p.round_speedups)} paired rounds"
+        assert (f"x sequential (a tie with sequential: faster in {wins} of {len(p.round_speedups)} paired rounds"
                 in line) == (paired_verdict(p.round_speedups)[0] == "tie")
+        # the tok/s it prints is the speedup times its setting's median sequential rate, and says so (the median
+        # taken here over the setting's measured candidates), with the rate its own runs had beside it
+        seq = statistics.median(c.sequential_tokens_per_s for c in r.candidates if c.measured and c.goal == p.goal
+                                and (c.threads, c.compiled) == (p.threads, p.compiled))
+        assert (f"measured {p.measured_speedup:.2f}x sequential" in line and f", i.e. {p.measured_speedup * seq:.0f} "
+                f"tok/s at its setting's median sequential {seq:.0f} tok/s (its own runs' median: "
+                f"{p.raw_tokens_per_s:.0f} tok/s); predicted" in line), line
 
 
 def test_a_budget_no_plan_meets_is_reported_not_bent(model, val):
@@ -493,6 +500,19 @@ def test_settings_too_short_for_a_full_block_say_so(model, val):
     assert "B = 3 " in s2 and "B = 2 at most" in s2
     ok = tune(model, val, TuneConfig(plans=["2xF1-h0-K1"], blocks=(2, 3), threads=(1,), top=1, **FAST))
     assert not [n for n in ok.notes if n.startswith(("stage 1: --accept", "stage 2: --gen"))]
+
+
+def test_the_pick_line_says_what_its_tokens_per_second_are(model):
+    """The summary said "measured 150 tok/s" of a rate no run had: the pick's speedup times its setting's median
+    sequential tokens/s (_normalise). The sentence now says exactly that, with the pick's own median beside it."""
+    from snlp.bench.tune import _result
+
+    a = _cand("A", [1.4, 1.5, 1.5, 1.5, 1.5, 1.6], pred=1.0)  # median 1.5; _cand: 100 tok/s sequential, so 150
+    a.raw_tokens_per_s = 140.0
+    line = summary(_result(model, TuneConfig(), [], [], [], [a], 0.0, 0.0))[0]
+    assert line.startswith("ssd pick: `A` B=4, 1 thread: measured 1.50x sequential, i.e. 150 tok/s at its setting's "
+                           "median sequential 100 tok/s (its own runs' median: 140 tok/s); predicted 1.00x; "), line
+    assert "measured 150 tok/s" not in line
 
 
 def test_pick_over_grid_best_says_whether_the_rounds_resolve_the_grid_bests_lead(model):
