@@ -4,6 +4,7 @@ here; the work is done by snlp.dist.layer_parallel and snlp.dist.costmodel."""
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import sys
@@ -558,7 +559,8 @@ def _run_bench_ranked(args, spec: ModelSpec, rank: int, world: int, device, core
 def run_simulate(args, unread_flags, shape_flags, defaults: dict) -> int:
     """`snlp bench --simulate-devices P --link-gbps G --link-latency-us U`: the cost model (snlp.dist.costmodel).
     From snlp.apps.bench: its check of unread flags, the size flags a --shape replaces and the parser's defaults."""
-    from snlp.dist.costmodel import SHAPES, Link, check_devices, measure_layer_ms, predict, roofline_layer_ms
+    from snlp.dist.costmodel import (SHAPES, Link, check_devices, measure_chunk_ms, measure_layer_head_ms, predict,
+                                     roofline_layer_ms)
 
     P = args.simulate_devices
     if P < 1:
@@ -613,15 +615,24 @@ def run_simulate(args, unread_flags, shape_flags, defaults: dict) -> int:
             p.check_model(config)
     warn_causal_idle(plans, config, counts[0])
     rows = []
+    # the layer and head times are the shape's, not a plan's: measured once, so every row's sequential, pipeline and
+    # tensor-parallel columns are one measurement (timed per plan they differed by the timer's noise between rows);
+    # a rank's batched chunks once per (ceil(C/P), M)
+    timing = (str(device), dtype, args.warmup, args.runs)
+    if args.roofline_gbytes:
+        layer, head = roofline_layer_ms(shape, args.roofline_gbytes, args.roofline_efficiency)
+        source = f"roofline {args.roofline_gbytes:g} GB/s x {args.roofline_efficiency:g}, op floor {args.op_floor_us:g} us"
+    else:
+        layer, head = measure_layer_head_ms(shape, counts[0], args.batch, *timing)
+        source = f"measured on {device}"
+    chunks: dict[tuple[int, int], float | None] = {}
     for plan in plans:
-        if args.roofline_gbytes:
-            layer, head = roofline_layer_ms(shape, args.roofline_gbytes, args.roofline_efficiency)
-            chunk, source = None, (f"roofline {args.roofline_gbytes:g} GB/s x {args.roofline_efficiency:g}, "
-                                   f"op floor {args.op_floor_us:g} us")
-        else:
-            layer, head, chunk = measure_layer_ms(shape, plan, P, counts[0], args.batch, str(device), dtype,
-                                                  args.warmup, args.runs)
-            source = f"measured on {device}"
+        chunk = None
+        if not args.roofline_gbytes:
+            key = (math.ceil(plan.chunks / P), plan.fuse)
+            if key not in chunks:
+                chunks[key] = measure_chunk_ms(shape, plan, P, counts[0], args.batch, *timing)
+            chunk = chunks[key]
         p = predict(shape, plan, P, link, layer, head, counts[0], args.batch, chunk,
                     floor_ms=1e-3 * args.op_floor_us if args.roofline_gbytes else 0.0)
         rows.append(SimulateRow(plan=str(plan), devices=P, link_gbps=link.gbps, link_latency_us=link.latency_us,

@@ -2,9 +2,9 @@
 and SNLP execution over P devices, from per-layer compute times and a stated link model.
 
 Nothing here is measured across devices (this project has no multi-device machine): the compute terms
-are measured on ONE device (`measure_layer_ms`: one decoder layer and the LM head of the given shape,
-batch B, T tokens) or given by a bandwidth roofline (`roofline_layer_ms`: weight bytes / memory
-bandwidth, the decode-time bound), and the communication terms come from `Link` (latency alpha and
+are measured on ONE device (`measure_layer_head_ms`: one decoder layer and the LM head of the given shape,
+batch B, T tokens, once per shape; `measure_chunk_ms`: a rank's batched chunks) or given by a bandwidth roofline
+(`roofline_layer_ms`: weight bytes / memory bandwidth, the decode-time bound), and the communication terms come from `Link` (latency alpha and
 bandwidth beta). Assumptions (written next to every table in docs/distributed.md):
 
   state   one message = B*T*D elements of the model dtype (the residual stream; mHC streams ignored).
@@ -189,19 +189,30 @@ def roofline_layer_ms(shape: Shape, mem_gbytes_per_s: float, efficiency: float =
             1e3 * shape.vocab_size * shape.n_embd * shape.dtype_bytes / bw)
 
 
-def measure_layer_ms(shape: Shape, plan: Plan, devices: int, tokens: int = 1, batch: int = 1, device: str = "cpu",
-                     dtype: torch.dtype = torch.float32, warmup: int = 3, runs: int = 10,
-                     max_chunk_gb: float = 4.0) -> tuple[float, float, float | None]:
-    """Measure on ONE local device, for `shape`: one decoder layer (the fused-chunk op with C = M = 1), the
-    LM head, and, when its weights fit in `max_chunk_gb`, one batched forward of ceil(C/P) fused chunks
-    of M layers (else None: the model uses n*M*layer_ms). Builds only the layers it times, with random
-    weights. Medians of `runs` calls after `warmup`, ms."""
-    from snlp.method.fusion import build_chunk_weights, chunk_forward
+def _timer(device: str, warmup: int, runs: int):
+    """med(fn): the median of `runs` calls of fn after `warmup` untimed ones, ms (synchronised on CUDA)."""
+    cuda = torch.device(device).type == "cuda"
+
+    def med(fn) -> float:
+        for _ in range(warmup):
+            fn()
+        ts = []
+        for _ in range(runs):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            ts.append(1e3 * (time.perf_counter() - t0))
+        return statistics.median(ts)
+    return med
+
+
+def _timed_model(shape: Shape, depth: int, tokens: int, batch: int, device: str, dtype: torch.dtype):
+    """A random-weights model of `depth` of the shape's layers and one (B, T) input's context (embedding)."""
     from snlp.model.gpt import GPT
 
-    n_loc = math.ceil(plan.chunks / devices)
-    nbytes = n_loc * plan.fuse * shape.layer_params * torch.finfo(dtype).bits // 8
-    depth = n_loc * plan.fuse if nbytes <= max_chunk_gb * 1e9 else 1
     # the layer timed is the shape's (its MLP kind and width: Shape.layer_params), not the relu^2 4D default
     cfg = shape.config(depth, sequence_len=max(tokens, 16))
     with torch.device(device):
@@ -209,33 +220,53 @@ def measure_layer_ms(shape: Shape, plan: Plan, devices: int, tokens: int = 1, ba
     model.init_weights(seed=0)
     model = model.to(dtype).eval()
     idx = torch.randint(0, shape.vocab_size, (batch, tokens), device=device)
+    return model, model.embed(idx)
 
-    def med(fn) -> float:
-        for _ in range(warmup):
-            fn()
-        ts = []
-        for _ in range(runs):
-            if torch.device(device).type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            if torch.device(device).type == "cuda":
-                torch.cuda.synchronize()
-            ts.append(1e3 * (time.perf_counter() - t0))
-        return statistics.median(ts)
 
+def measure_layer_head_ms(shape: Shape, tokens: int = 1, batch: int = 1, device: str = "cpu",
+                          dtype: torch.dtype = torch.float32, warmup: int = 3, runs: int = 10) -> tuple[float, float]:
+    """Measure on ONE local device, for `shape`: one decoder layer (the fused-chunk op with C = M = 1) and the LM
+    head, medians of `runs` calls after `warmup`, ms. They depend on the shape, not on a plan: a run pricing several
+    plans measures them once, so the sequential, pipeline and tensor-parallel columns of its rows are one
+    measurement, not one per row that differ by the timer's noise."""
+    from snlp.method.fusion import build_chunk_weights, chunk_forward
+
+    med = _timer(device, warmup, runs)
     with torch.inference_mode():
-        ctx = model.embed(idx)
+        model, ctx = _timed_model(shape, 1, tokens, batch, device, dtype)
         h = ctx.x0
-        w1 = build_chunk_weights(model, depth - 1, 1, 1)
-        layer = med(lambda: chunk_forward(w1, h[None], ctx))
-        head = med(lambda: model.head(h))
-        chunk = None
-        if depth > 1 or n_loc * plan.fuse == 1:
-            wn = build_chunk_weights(model, 0, n_loc, plan.fuse)
-            hn = h.expand(n_loc, *h.shape)
-            chunk = med(lambda: chunk_forward(wn, hn, ctx))
-    return layer, head, chunk
+        w1 = build_chunk_weights(model, 0, 1, 1)
+        return med(lambda: chunk_forward(w1, h[None], ctx)), med(lambda: model.head(h))
+
+
+def measure_chunk_ms(shape: Shape, plan: Plan, devices: int, tokens: int = 1, batch: int = 1, device: str = "cpu",
+                     dtype: torch.dtype = torch.float32, warmup: int = 3, runs: int = 10,
+                     max_chunk_gb: float = 4.0) -> float | None:
+    """One batched forward of a rank's ceil(C/P) fused chunks of M layers, measured on ONE local device, ms (median
+    of `runs` after `warmup`); None where those layers' weights exceed `max_chunk_gb` (the cost model then prices
+    n*M*layer_ms). It depends on the plan only through (ceil(C/P), M)."""
+    from snlp.method.fusion import build_chunk_weights, chunk_forward
+
+    n_loc = math.ceil(plan.chunks / devices)
+    if n_loc * plan.fuse * shape.layer_params * torch.finfo(dtype).bits // 8 > max_chunk_gb * 1e9:
+        return None
+    med = _timer(device, warmup, runs)
+    with torch.inference_mode():
+        model, ctx = _timed_model(shape, n_loc * plan.fuse, tokens, batch, device, dtype)
+        h = ctx.x0
+        wn = build_chunk_weights(model, 0, n_loc, plan.fuse)
+        hn = h.expand(n_loc, *h.shape)
+        return med(lambda: chunk_forward(wn, hn, ctx))
+
+
+def measure_layer_ms(shape: Shape, plan: Plan, devices: int, tokens: int = 1, batch: int = 1, device: str = "cpu",
+                     dtype: torch.dtype = torch.float32, warmup: int = 3, runs: int = 10,
+                     max_chunk_gb: float = 4.0) -> tuple[float, float, float | None]:
+    """(layer ms, head ms, chunk ms or None) for one plan: measure_layer_head_ms and measure_chunk_ms. A run over
+    several plans calls those two itself (the layer and head once, a chunk once per (ceil(C/P), M))."""
+    layer, head = measure_layer_head_ms(shape, tokens, batch, device, dtype, warmup, runs)
+    return layer, head, measure_chunk_ms(shape, plan, devices, tokens, batch, device, dtype, warmup, runs,
+                                         max_chunk_gb)
 
 
 # shapes of docs/distributed.md: the paper's 0.5B and 3B Nanochat models (32 layers; widths 640 / 2048,

@@ -331,13 +331,55 @@ def test_bench_simulate_devices_refuses_a_plan_with_too_few_chunks_before_measur
     from snlp.apps.cli import main
 
     measured = []
-    real = costmodel.measure_layer_ms
-    monkeypatch.setattr(costmodel, "measure_layer_ms", lambda *a, **k: measured.append(a) or real(*a, **k))
+    for name in ("measure_layer_head_ms", "measure_chunk_ms"):
+        real = getattr(costmodel, name)
+        monkeypatch.setattr(costmodel, name, lambda *a, real=real, **k: measured.append(a) or real(*a, **k))
     assert main(["bench", "--simulate-devices", "4", "--depth", "4", "--width", "64", "--head-dim", "32",
                  "--vocab-size", "128", "--plans", "4xF1-h0-K1,2xF1-h0-K1", "--runs", "1", "--warmup", "0"]) == 2
     out = capsys.readouterr()
     assert "plan 2xF1-h0-K1 has C = 2 chunks, fewer than the 4 devices" in out.err
     assert measured == [] and "4xF1-h0-K1 on 4 devices" not in out.out
+
+
+def test_simulated_rows_of_one_shape_share_one_layer_and_head_measurement(tmp_path, monkeypatch):
+    """`--simulate-devices` measured the layer and head again for every plan, so rows of one shape printed
+    sequential / pipeline / tensor-parallel times that differed by the timer's noise (4.72 ms, 3.50 ms, 3.55 ms for
+    three plans at depth 4). They are the shape's: measured once, every row's columns are one measurement, each row
+    the cost model of that layer and head written out (L t_layer + t_head; + (P-1) sends on the pipeline), and a
+    rank's batched chunks are timed once per (ceil(C/P), M)."""
+    import json
+
+    from snlp.apps.cli import main
+    from snlp.dist import costmodel
+
+    calls = {"layer": 0, "chunk": []}
+    real_layer, real_chunk = (getattr(costmodel, n, None) for n in ("measure_layer_head_ms", "measure_chunk_ms"))
+
+    def layer(*a, **k):
+        calls["layer"] += 1
+        return real_layer(*a, **k)
+
+    def chunk(shape, plan, devices, *a, **k):
+        calls["chunk"].append((-(-plan.chunks // devices), plan.fuse))
+        return real_chunk(shape, plan, devices, *a, **k)
+
+    monkeypatch.setattr(costmodel, "measure_layer_head_ms", layer, raising=False)
+    monkeypatch.setattr(costmodel, "measure_chunk_ms", chunk, raising=False)
+    out = tmp_path / "sim.json"
+    plans = "2xF1-h0-K1,2xF2-h0-K1,4xF1-h0-K2,2xF1-h0-K2"
+    assert main(["bench", "--simulate-devices", "2", "--depth", "4", "--width", "64", "--head-dim", "32",
+                 "--vocab-size", "128", "--plans", plans, "--runs", "1", "--warmup", "0", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["plan"] for r in rows] == plans.split(",")
+    for key in ("layer_ms", "head_ms", "sequential_ms", "pipeline_ms", "tensor_parallel_ms"):
+        assert len({r[key] for r in rows}) == 1, key
+    t, h = rows[0]["layer_ms"], rows[0]["head_ms"]
+    msg = 1 * 1 * 64 * 4  # one fp32 state of B = 1, T = 1, D = 64
+    for r in rows:
+        assert r["sequential_ms"] == pytest.approx(4 * t + h, rel=1e-12)
+        assert r["pipeline_ms"] == pytest.approx(4 * t + (2 - 1) * (10e-3 + msg * 8 / 3600e9 * 1e3) + h, rel=1e-9)
+    assert rows[0]["chunk_ms"] == rows[3]["chunk_ms"]  # 2xF1 at K = 1 and K = 2: one rank's chunk, timed once
+    assert calls["layer"] == 1 and sorted(calls["chunk"]) == [(1, 1), (1, 2), (2, 1)]
 
 
 def test_measured_layer_is_the_shapes_layer(monkeypatch):
