@@ -46,6 +46,17 @@ class Probe:
     train_steps_s: dict = field(default_factory=dict)
     lockstep_s: float = 0.0  # 0: not measured (no train_fns)
     train_samples_s: dict = field(default_factory=dict)  # name -> every timed step's seconds (retries included)
+    # every timed call behind window_s, decode_token_s (whole decode rounds) and ref_s: what `spread` reads
+    window_samples_s: list = field(default_factory=list)
+    decode_samples_s: list = field(default_factory=list)
+    ref_samples_s: list = field(default_factory=list)
+
+    def spread(self) -> float:
+        """How far this probe's own timings ranged above the prices it set: the largest slowest-sample / low-median
+        - 1 over every timing it sampled (0 where none was sampled). The probe runs again on every invocation, and
+        a timing at its slowest sample here prices the stages this much higher."""
+        series = [*self.train_samples_s.values(), self.window_samples_s, self.decode_samples_s, self.ref_samples_s]
+        return max((max(ts) / median_low(ts) - 1.0 for ts in series if ts and median_low(ts) > 0), default=0.0)
 
 
 @dataclass(frozen=True)
@@ -185,10 +196,7 @@ def plan_budget(budget_s: float | None, costs: list[StageCost], fixed_s: float, 
         avail = budget_s - margin_s - fixed_s  # what the stages and training may take
         floor = sum(c.at(c.min_scale) for c in todo)  # the stages at their smallest
         if min_train_s is not None and avail - floor < min_train_s:
-            need = (floor + fixed_s + min_train_s) / (1 - margin)
-            raise ValueError(f"a budget of {budget_s / 60:.1f} min cannot hold this job on this box: it needs at least "
-                             f"{need / 60:.1f} min ({min_train_s:.0f} s of training, {floor:.0f} s of stages at their "
-                             f"smallest, {fixed_s:.0f} s fixed, {margin:.0%} margin)")
+            raise ValueError(too_small(budget_s, floor, fixed_s, min_train_s, margin, probe))
         want = 0.0 if min_train_s is None else max(min_train_s, train_floor_s)
         s = _common_scale(todo, avail - want)
         stages = {c.name: StagePlan(c, share_s=c.at(max(c.min_scale, s))) for c in costs}
@@ -202,6 +210,30 @@ def plan_budget(budget_s: float | None, costs: list[StageCost], fixed_s: float, 
     for name, (planned, actual, scale) in reused.items():
         plan.reuse(name, planned, actual, scale)
     return plan
+
+
+def _minutes_up(seconds: float) -> float:
+    """Seconds as minutes rounded UP to a tenth: a budget said to be enough must be (2.04 min printed as 2.0 was
+    refused when given)."""
+    return math.ceil(round(seconds / 6, 9)) / 10
+
+
+def too_small(budget_s: float, floor_s: float, fixed_s: float, min_train_s: float, margin: float,
+              probe: Probe | None) -> str:
+    """The refusal of a budget that cannot leave training `min_train_s`: the least budget at this run's prices, and
+    (the probe times the box anew on every run, so a user given that number can be refused by the next run's
+    probe) the least budget at which the stages still fit when every one is priced `Probe.spread` higher, as its
+    slowest sample here would price it, which is what the message tells the user to give. The stages' share
+    `floor_s` is what the probe prices; training's `min_train_s` and the fixed seconds are not re-priced."""
+    need = (floor_s + fixed_s + min_train_s) / (1 - margin)
+    spread = probe.spread() if probe is not None else 0.0
+    slow = (floor_s * (1 + spread) + fixed_s + min_train_s) / (1 - margin)
+    why = (f"the probe times the box again on every run, and its timings here ranged up to {spread:.0%} above the "
+           f"prices it set" if probe is not None else "stage prices are measured on every run")
+    return (f"a budget of {budget_s / 60:.1f} min cannot hold this job on this box: it needs at least "
+            f"{_minutes_up(need):g} min at this run's prices ({min_train_s:.0f} s of training, {floor_s:.0f} s of "
+            f"stages at their smallest, {fixed_s:.0f} s fixed, {margin:.0%} margin); {why}, so give --budget "
+            f"{_minutes_up(slow):g} or more (the stages priced at those slowest timings)")
 
 
 def _common_scale(costs: list[StageCost], room: float) -> float:
@@ -245,10 +277,6 @@ def median_low(ts: list[float]) -> float:
     """The median, the lower of the middle two for an even count: a spike only ever slows a call, so of two
     samples the faster one is the box's price."""
     return sorted(ts)[(len(ts) - 1) // 2]
-
-
-def _median_time(fn, reps: int, sync=lambda: None) -> float:
-    return median_low(timed_samples(fn, reps, sync))
 
 
 def reference_work(seed: int = 0):
@@ -336,17 +364,17 @@ def probe(config, batch_size: int, train_steps: int = 3, decode_tokens: int = 16
         w = x[:1, :T]  # (1, T): one evaluation window
         with torch.no_grad():
             model(w)
-            window_s = _median_time(lambda: model(w), 3, sync)
+            window_ts = timed_samples(lambda: model(w), 3, sync)
             prompt = x[0, :8].tolist()
             sequential_generate(model, prompt, 2)  # warm-up
-            decode_token_s = _median_time(lambda: sequential_generate(model, prompt, decode_tokens), 3,
-                                          sync) / decode_tokens
+            decode_ts = timed_samples(lambda: sequential_generate(model, prompt, decode_tokens), 3, sync)
             torch.set_num_threads(1)
             ref = reference_work(seed)
             ref()  # warm-up
-            ref_s = _median_time(ref, 5)
+            ref_ts = timed_samples(ref, 5)
     finally:
         torch.set_num_threads(old)
-    return Probe(train_step_s, window_s, decode_token_s, seconds=time.perf_counter() - t0, ref_s=ref_s,
-                 device=torch.device(device).type, train_steps_s=steps_s, lockstep_s=lockstep_s,
-                 train_samples_s=samples)
+    return Probe(train_step_s, median_low(window_ts), median_low(decode_ts) / decode_tokens,
+                 seconds=time.perf_counter() - t0, ref_s=median_low(ref_ts), device=torch.device(device).type,
+                 train_steps_s=steps_s, lockstep_s=lockstep_s, train_samples_s=samples, window_samples_s=window_ts,
+                 decode_samples_s=decode_ts, ref_samples_s=ref_ts)

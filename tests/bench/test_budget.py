@@ -155,3 +155,52 @@ def test_a_budget_that_is_no_positive_finite_number_is_refused(budget):
     budget that is not a finite number > 0 is refused in one line before anything is planned."""
     with pytest.raises(ValueError, match="finite number of seconds > 0"):
         plan_budget(budget, [StageCost("eval", 10.0, 20.0)], fixed_s=5.0, min_train_s=60.0)
+
+
+def test_a_refused_budget_names_one_that_a_rerun_priced_within_this_probes_spread_accepts():
+    """The refusal said "needs at least 3.0 min" of a need of 3.04 min (rounded to the nearest tenth: refused when
+    given), and it priced the stages from one probe, which every run repeats: a rerun whose probe timed the box as
+    slowly as this one's slowest sample refused a budget just above the one it named. The need is now rounded up,
+    and the message says the probe is re-timed on every run, how far its timings ranged above its prices, and names
+    the budget that holds with every stage priced at that slowest timing. Sums written out here."""
+    import dataclasses
+
+    from snlp.bench.budget import Probe
+
+    def costs(window_s):  # an evaluation stage priced from the probe's window time
+        return [StageCost("eval", fixed_s=100 * window_s, scalable_s=200 * window_s, min_scale=0.25)]
+
+    need = (100 * 0.5 + 0.25 * 200 * 0.5 + 40 + 60) / 0.96 / 60  # 3.04 min
+    slow = (100 * 0.65 + 0.25 * 200 * 0.65 + 40 + 60) / 0.96 / 60  # 3.43 min
+    with pytest.raises(ValueError) as e:
+        plan_budget(120, costs(0.5), fixed_s=40, min_train_s=60, margin=0.04, probe=Probe(1.0, 0.5, 0.01))
+    assert "it needs at least 3.1 min" in str(e.value) and 3.0 < need < 3.1, e.value
+    pr = dataclasses.replace(Probe(1.0, 0.5, 0.01), train_samples_s={"idn": [1.0, 1.05, 1.0]},
+                             **{"window_samples_s": [0.5, 0.65, 0.5], "decode_samples_s": [0.16, 0.16, 0.17]})
+    assert pr.spread() == pytest.approx(0.65 / 0.5 - 1)  # the window's slowest call, the widest of the three
+    kw = dict(fixed_s=40, min_train_s=60, margin=0.04, probe=pr)
+    with pytest.raises(ValueError) as e:
+        plan_budget(120, costs(0.5), **kw)
+    msg = str(e.value)
+    assert "it needs at least 3.1 min at this run's prices" in msg, msg
+    assert "the probe times the box again on every run, and its timings here ranged up to 30% above" in msg, msg
+    assert msg.endswith("so give --budget 3.5 or more (the stages priced at those slowest timings)") and slow < 3.5
+    plan_budget(3.1 * 60, costs(0.5), **kw)  # the need it names holds at its own prices
+    with pytest.raises(ValueError, match="cannot hold"):  # a rerun whose probe is as slow as this one's slowest
+        plan_budget(3.1 * 60, costs(0.65), **kw)
+    plan_budget(3.5 * 60, costs(0.65), **kw)  # ... holds the budget the message tells the user to give
+
+
+def test_the_probe_keeps_every_timed_call_behind_its_prices():
+    """`Probe.spread` reads the samples the probe priced from: each price is the low median of the samples kept
+    (a decode round's per token), so the spread a refusal names is of the very calls that set the prices."""
+    from snlp.bench.budget import median_low, probe
+    from snlp.model.gpt import GPTConfig
+
+    pr = probe(GPTConfig(vocab_size=61, n_layer=2, n_head=2, n_kv_head=1, n_embd=16, sequence_len=16), 2,
+               train_steps=3, decode_tokens=4)
+    assert len(pr.window_samples_s) == len(pr.decode_samples_s) == 3 and len(pr.ref_samples_s) == 5
+    assert pr.window_s == median_low(pr.window_samples_s) and pr.ref_s == median_low(pr.ref_samples_s)
+    assert pr.decode_token_s == pytest.approx(median_low(pr.decode_samples_s) / 4, rel=1e-12)
+    every = [*pr.train_samples_s.values(), pr.window_samples_s, pr.decode_samples_s, pr.ref_samples_s]
+    assert pr.spread() == pytest.approx(max(max(ts) / sorted(ts)[(len(ts) - 1) // 2] - 1 for ts in every))
