@@ -162,6 +162,8 @@ def setup(cfg: TrainConfig, make_job, hooks: TrainHooks, ctx: DistContext) -> tu
     if ctx.master:
         clear_killed_saves(Path(cfg.out))
     job = make_job(cfg, start.model, start.tokenizer, ctx.rank, ctx.world, ctx.device)
+    if isinstance(job.loss, TrainStep):  # a diag:fd eps the step's dtype on this device cannot take: before step 1
+        job.loss.check_fd_step(ctx.device)
     if start.resume is not None:  # before anything is written (the commands check it before loading, too)
         check_resume_command(cfg.out, job.name, start.resume.command)
     saved = start.resume.data_digest if start.resume else None
