@@ -857,3 +857,18 @@ def test_an_fd_eps_the_dtype_cannot_take_is_refused_before_the_validation_text_i
     err = capsys.readouterr().err
     assert "eps:1e-05 is below the smallest FD step of the compute dtype float32" in err
     assert "validation tokens" not in err
+
+
+def test_adapt_refuses_an_fd_eps_the_dtype_cannot_take_before_the_base_loads(tmp_path, capsys):
+    """snlp adapt --kv own trains a diag:fd drafter whose student solve refused an eps below the FD step floor of the
+    step's dtype (fp32: 3.45e-4) only after the data was read, the banner printed and --out made. Refused first now:
+    --out is never made."""
+    from conftest import text_checkpoint
+
+    ckpt, data, _ = text_checkpoint(tmp_path)
+    out = tmp_path / "d"
+    assert main(["adapt", str(ckpt), "--kv", "own", "--plan", "2xF1-h0-K1-diag-eps:1e-5", "--out", str(out), "--data",
+                 str(data), "--steps", "1", "--device", "cpu"]) == 2
+    line = one_error_line(capsys, "adapt")
+    assert "eps:1e-05 is below the smallest FD step of the compute dtype float32" in line
+    assert not out.exists()
