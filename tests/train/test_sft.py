@@ -933,3 +933,18 @@ def test_step_dtype_is_the_dtype_autocast_computes_in():
         assert step_dtype("cuda", dtype) == step_dtype(torch.device("cuda", 1), dtype) == autocast, dtype
         assert step_dtype("cpu", dtype) == dtype
     assert step_dtype("cuda", torch.int64) == torch.int64
+
+
+def test_sft_grid_refuses_an_fd_eps_its_snlp_forward_run_cannot_take_before_training(tmp_path, capsys):
+    """sft-grid trains the sequential SFT run first, then the SNLP-forward one, whose job refused a diag:fd eps below
+    the FD step floor of its step's dtype (fp32 on the CPU: 3.45e-4) only then, after the first run had trained and
+    been scored. Refused before any training: --out is never made."""
+    write_task(tmp_path, 40, 30, 20, 2, 32)
+    out = tmp_path / "grid"
+    capsys.readouterr()
+    assert main(["sft-grid", str(tmp_path / "base"), "--data", str(tmp_path / "chats.jsonl"), "--plan",
+                 "1xF1-h0-K1-diag-eps:1e-5", "--task", f"mc:{tmp_path / 'test.jsonl'}", "--out", str(out), "--mc-limit",
+                 "2", "--steps", "1", "--batch-size", "2", "--seq-len", "64", "--eval-every", "1000", "--eval-batches",
+                 "1", "--no-progress", "--device", "cpu"]) == 2
+    assert "eps:1e-05 is below the smallest FD step of the compute dtype float32" in capsys.readouterr().err
+    assert not out.exists()
