@@ -151,6 +151,11 @@ def run_generate(args) -> int:
     check_source(args.ckpt, "checkpoint", hub=False)  # one line, with the closest names
     check_plans_fit(args.ckpt, [args.plan])  # its depth from the checkpoint's config, before any rank starts
     check_before_ranks(args, [Plan.parse(args.plan)], args.ckpt)  # a chunk for every rank, a distributed surrogate
+    # a diag:fd eps below the FD step floor of the dtype every rank builds its model in (GPT(config)'s, on `meta`:
+    # no weights read): each rank's DistributedSNLP refused it only after the process group had started
+    from snlp.method.jacobian import check_fd_step
+
+    check_fd_step(Plan.parse(args.plan), RankCheckpoint(args.ckpt).meta_model().wte.weight.dtype, "meta")
     if RankCheckpoint(args.ckpt).tokenizer() is None:  # as snlp.apps.generate.run, before any rank reads weights
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer; save it with one to use `snlp generate`")
     if args.eos_id is not None:  # an id the model can never generate: as snlp.apps.generate.run, from the config

@@ -302,6 +302,11 @@ def run(args) -> int:
     dtype = cli_dtype(args.dtype, device)
     from snlp.io.weights import cast_model  # float16 refuses a weight it cannot hold
     model = cast_model(model, device, dtype, args.ckpt).eval()
+    from snlp.method.jacobian import check_fd_step
+
+    w = model.wte.weight  # a diag:fd eps the --dtype cannot take: before the questions or the validation text are read
+    for p in plans:  #     (the plans' first bind refused it only after the validation text was tokenized)
+        check_fd_step(p, w.dtype, w.device.type)
     preheat = plans_preheat(args.ckpt, model, plans)
     if args.task:
         args.plans_list = plans

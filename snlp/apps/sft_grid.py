@@ -87,6 +87,12 @@ def run_grid(cfg: GridConfig) -> GridResult:
     questions = {t: load_task(t) for t in cfg.tasks}  # fail on bad tasks before any training
     res = GridResult(cfg.ckpt, plan, list(cfg.tasks), cfg.scoring)
     device = cfg.sft_args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    from snlp.method.jacobian import check_fd_step
+    from snlp.train.precision import step_dtype
+
+    # the SNLP-forward run's diag:fd eps against its step's dtype (the checkpoint loads in float32; bf16 under CUDA
+    # autocast), before the sequential run trains: that run's job refused it only after the first run was scored
+    check_fd_step(forward_plan(plan, "--plan"), step_dtype(device, torch.float32), torch.device(device).type)
     for forward in (SEQUENTIAL, plan):
         out = Path(cfg.out) / f"sft-{forward}"
         tcfg = train_config(cfg.sft_args, str(out), resume=(out / "train_state.pt").is_file())

@@ -176,7 +176,8 @@ def run(args) -> int:
     model, tok = load(args.ckpt, device="cpu", need_tokenizer="`snlp tune` needs it for the calibration text")
     plans = cfg.plans or default_plans(model.config.n_layer, device)
     preheat = plans_preheat(args.ckpt, model, plans)
-    cfg.plan_list(model.config.n_layer, preheat, device)  # unknown / unfit plans refused before anything runs
+    # unknown / unfit plans, and a diag:fd eps the --dtype cannot take, refused before anything runs
+    cfg.plan_list(model.config.n_layer, preheat, device, getattr(torch, cli_dtype(args.dtype, device)))
     from snlp.io.weights import cast_model  # float16 refuses a weight it cannot hold
     model = cast_model(model, device, cli_dtype(args.dtype, device), args.ckpt).eval()
     data = checkpoint_data(args.ckpt, **{k: getattr(args, k, None) for k in DATA_DEFAULTS})

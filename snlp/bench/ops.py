@@ -74,7 +74,7 @@ class OpRow:
 
 
 def op_benchmark(model: GPT, tokens: tuple[int, ...] = (1, 16, 32, 64, 128), layer: int | None = None,
-                 warmup: int = 5, runs: int = 30, seed: int = 0, eps: float = 1e-3) -> list[OpRow]:
+                 warmup: int = 5, runs: int = 30, seed: int = 0, eps: float | None = None) -> list[OpRow]:
     """Per-layer cost of the DiagN probe primitives (paper Table diag_ops_bench) for ONE layer: a
     C = 1, M = 1 chunk at `layer` (default L // 2) via chunk_forward, batch 1, input = the real
     hidden state entering that layer. The timed callables are the solver's own code

@@ -55,6 +55,7 @@ from snlp.decode.speculative import ideal_ssd_speedup, speculative_generate, spe
 from snlp.decode.steps import check_compilable, sequential_step, snlp_step
 from snlp.eval.data import as_tokens, sample_prompts, windows
 from snlp.eval.protocol import EvalConfig, Quality, teacher_forced
+from snlp.method.jacobian import check_fd_step
 from snlp.method.plan import Plan
 from snlp.method.preheat import Preheat
 from snlp.method.solver import bind, preheat_for
@@ -144,16 +145,20 @@ class TuneConfig:
         return [(t, c) for t in (self.threads or (torch.get_num_threads(),)) for c in ((False, True) if self.compile
                                                                                        else (False,))]
 
-    def plan_list(self, n_layer: int, preheat: Preheat | None = None, device=None) -> list[Plan]:
+    def plan_list(self, n_layer: int, preheat: Preheat | None = None, device=None,
+                  dtype: torch.dtype | None = None) -> list[Plan]:
         """The plans, parsed and checked against the model (duplicates dropped); a ValueError for an unknown
-        plan, a preheat plan without calibration, or a tol plan under `compile`. `device`: the model's, for the
-        default grid (default_plans)."""
+        plan, a preheat plan without calibration, a tol plan under `compile`, or (with the weights' `dtype`) a diag:fd
+        eps below that dtype's FD step floor, which the first solve refused only after the calibration text was
+        read. `device`: the model's, for the default grid (default_plans)."""
         plans = list(dict.fromkeys(Plan.parse(p, n_layer) for p in (self.plans or default_plans(n_layer, device))))
         for p in plans:
             if p.init == "preheat" and preheat is None:
                 raise ValueError(f"plan {p} starts from the preheat init but no calibration was given")
             if self.compile:
                 check_compilable(p)
+            if dtype is not None:
+                check_fd_step(p, dtype, torch.device(device or "cpu").type)
         return plans
 
 
@@ -694,7 +699,8 @@ def tune(model: GPT, val_tokens, cfg: TuneConfig = TuneConfig(), quality: dict[s
     if cfg.seq_len is None:
         cfg = replace(cfg, seq_len=min(256, model.config.sequence_len))
     L = model.config.n_layer
-    plans = cfg.plan_list(L, preheat, next(model.parameters()).device)
+    w = next(model.parameters())
+    plans = cfg.plan_list(L, preheat, w.device, w.dtype)
     with eval_mode(model):  # a caller's model leaves with every submodule in the mode it came in
         val = as_tokens(val_tokens)
         prompts = sample_prompts(val, cfg.prompts, cfg.prompt_len, cfg.seed)

@@ -28,9 +28,10 @@ Estimators (DiagN.estimator):
        below eps in absolute terms; dividing by the same per-token s keeps the estimator unbiased
        for the diagonal. The step is at least sqrt(machine eps) of the compute dtype (the autocast
        dtype under autocast), below which the difference is rounding noise: 0.088 for bf16, 0.031 for
-       fp16, 3.5e-4 for fp32, 1.5e-8 for fp64. The default eps (1e-3) is raised to it (bf16, fp16); an eps
-       written below it (eps:1e-5 on an fp32 model) is refused by the solve before it runs (`check_fd_step`),
-       as it would run as that floor under its own name.
+       fp16, 3.5e-4 for fp32, 1.5e-8 for fp64. A plan that writes no eps (DiagN.eps None) steps by
+       DEFAULT_FD_EPS (1e-3) raised to it (bf16, fp16); a written eps is the step as written, and one below
+       the floor (eps:1e-5 on fp32, eps:0.001 on bf16, whatever the default's value) is refused before the
+       solve runs (`check_fd_step`), as it would run as that floor under its own name.
   jvp  torch.func.jvp through chunk_forward (exact J v, one forward-mode pass for all probes).
        PyTorch has no forward AD for the fused SDPA kernels (CPU flash, CUDA flash/efficient), so
        the JVP runs under `sdpa_kernel(SDPBackend.MATH)` (the composite math attention, which
@@ -91,10 +92,15 @@ def row_probes(P: int, x: Tensor, gen: torch.Generator | None = None, chunks: in
     return rademacher((P, C, 1, *x.shape[2:]), x, gen).expand(P, C, *x.shape[1:]).contiguous()
 
 
+DEFAULT_FD_EPS = 1e-3  # diag:fd's relative step where the plan writes none (DiagN.eps None), raised to `fd_floor`
+
+
 def compute_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
-    """The dtype the chunk forward computes in: the autocast dtype where autocast is on, else `dtype`. A `meta` model
+    """The dtype the chunk forward computes in: the autocast dtype where autocast is on, else `dtype`. Autocast casts
+    no fp64 tensor (its cast policy skips double), so an fp64 model computes in fp64 under any autocast. A `meta` model
     (DistributedSNLP's, before a rank's checkpoint fills it) computes nothing and has no autocast state to ask."""
-    if dtype.is_floating_point and device_type != "meta" and torch.is_autocast_enabled(device_type):
+    if (dtype.is_floating_point and dtype != torch.float64 and device_type != "meta"
+            and torch.is_autocast_enabled(device_type)):
         return torch.get_autocast_dtype(device_type)
     return dtype
 
@@ -106,33 +112,43 @@ def fd_floor(dtype: torch.dtype) -> float:
 
 def check_fd_step(plan: "Plan", dtype: torch.dtype, device_type: str) -> None:
     """Refuse a diag:fd plan whose written eps lies below the FD step floor of the compute dtype (`fd_floor`): the
-    estimator would run with the floor under the plan's name (on fp32, eps:1e-5 and eps:1e-4 were one computation).
-    The default eps is left to be raised (bf16, fp16), as the module docstring says."""
+    estimator would run with the floor under the plan's name (on fp32, eps:1e-5 and eps:1e-4 were one computation;
+    on bf16, eps:0.001 ran as 0.088). An unwritten eps (None) is DEFAULT_FD_EPS raised to the floor, as the module
+    docstring says."""
     sur = plan.surrogate
-    if getattr(sur, "estimator", None) != "fd":  # first: solve calls this on every call, and most plans are not DiagN
+    if getattr(sur, "estimator", None) != "fd" or sur.eps is None:  # first: solve calls this on every call
         return
-    default = {f.name: f.default for f in dataclasses.fields(sur)}.get("eps") if dataclasses.is_dataclass(sur) else None
-    if sur.eps == default:
-        return
-    cd = compute_dtype(dtype, device_type)
-    floor = fd_floor(cd)
-    if sur.eps < floor:
-        least = float(f"{floor * (1 + 1e-3):.3g}")  # 3 digits, rounded up: a value the check takes
-        raise ValueError(f"plan {plan}: eps:{format_number(sur.eps)} is below the smallest FD step of the compute "
-                         f"dtype {str(cd).replace('torch.', '')} (sqrt of its machine epsilon, {floor:.3g}), which "
-                         f"diag:fd would take instead: write eps:{least:g} or more, drop eps, or run the model in a "
-                         f"wider dtype")
+    message = below_floor(sur.eps, compute_dtype(dtype, device_type))
+    if message:
+        raise ValueError(f"plan {plan}: {message}")
 
 
-def fd_step(x: Tensor, eps: float, token_dims: int = 0) -> Tensor:
+def below_floor(eps: float, dtype: torch.dtype) -> str | None:
+    """Why a written FD step `eps` cannot run in compute dtype `dtype` (below `fd_floor`), or None where it can."""
+    floor = fd_floor(dtype)
+    if eps >= floor:
+        return None
+    least = float(f"{floor * (1 + 1e-3):.3g}")  # 3 digits, rounded up: a value the check takes
+    return (f"eps:{format_number(eps)} is below the smallest FD step of the compute dtype "
+            f"{str(dtype).replace('torch.', '')} (sqrt of its machine epsilon, {floor:.3g}), which diag:fd would take "
+            f"instead: write eps:{least:g} or more, drop eps, or run the model in a wider dtype")
+
+
+def fd_step(x: Tensor, eps: float | None, token_dims: int = 0) -> Tensor:
     """FD step s = eps' * max(RMS, 1), RMS over the trailing dims after the first `token_dims` dims
     of x (one step per token; token_dims = 0: one RMS over all of x). Broadcasts against x.
-    eps' = max(eps, sqrt(machine eps of the compute dtype)): the compute dtype is the autocast dtype
-    when autocast is on (bf16 training: eps' ~ 0.09), else x's dtype (fp32/fp64: eps' = eps)."""
+    eps None (unwritten): eps' = max(DEFAULT_FD_EPS, sqrt(machine eps of the compute dtype)), the compute dtype being
+    the autocast dtype when autocast is on (bf16 training: eps' ~ 0.09), else x's dtype. A written eps is eps' as it
+    is; one below that floor is refused (`below_floor`), never raised: check_fd_step refuses it before the solve, and
+    this is the same rule for a caller of the estimator itself."""
+    cd = compute_dtype(x.dtype, x.device.type)
+    if eps is None:
+        eps = max(DEFAULT_FD_EPS, fd_floor(cd))
+    elif (message := below_floor(float(eps), cd)):
+        raise ValueError(message)
     flat = x.flatten(token_dims) if token_dims else x.reshape(1, -1)
     rms = flat.float().pow(2).mean(-1).sqrt().clamp_min(1.0).to(x.dtype)
-    eps = max(float(eps), fd_floor(compute_dtype(x.dtype, x.device.type)))
-    return eps * rms.view(*x.shape[:token_dims], *[1] * (x.dim() - token_dims))
+    return float(eps) * rms.view(*x.shape[:token_dims], *[1] * (x.dim() - token_dims))
 
 
 def jvp(f: Callable[[Tensor], Tensor], x: Tensor, t: Tensor) -> Tensor:
@@ -149,7 +165,7 @@ def jvp(f: Callable[[Tensor], Tensor], x: Tensor, t: Tensor) -> Tensor:
         return jvp_flops_tally(lambda: torch.func.jvp(f, (x,), (t,))[1])
 
 
-def probe_products(f: ProbeFn, x: Tensor, v: Tensor, estimator: str, eps: float = 1e-3, fx: Tensor | None = None,
+def probe_products(f: ProbeFn, x: Tensor, v: Tensor, estimator: str, eps: float | None = None, fx: Tensor | None = None,
                    token_dims: int = 0) -> Tensor:
     """Per-probe Hutchinson products (P, *X) of the map f at x (X): v o Jv (fd, jvp) or v o J^T v
     (vjp), for probes v (P, *X). `fx` = f at x (X), reused by fd (computed if None). The mean over
@@ -171,7 +187,7 @@ def probe_products(f: ProbeFn, x: Tensor, v: Tensor, estimator: str, eps: float 
     return v * jv
 
 
-def hutchinson_diag(f: ProbeFn, x: Tensor, v: Tensor, estimator: str, eps: float = 1e-3,
+def hutchinson_diag(f: ProbeFn, x: Tensor, v: Tensor, estimator: str, eps: float | None = None,
                     fx: Tensor | None = None, token_dims: int = 0) -> Tensor:
     """diag(J_f(x)) estimated from probes v (P, *X): mean over probes of `probe_products`."""
     return probe_products(f, x, v, estimator, eps, fx, token_dims).mean(0)

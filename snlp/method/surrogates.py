@@ -266,11 +266,13 @@ def _hcn_transfer(it: Iterate, a: Tensor) -> Tensor:
 @dataclass(frozen=True)
 class DiagN(Surrogate):
     """A = diag(J_c) from `probes` Hutchinson Rademacher probes by `estimator` (FD step `eps`, relative),
-    only on the chunks in `subset` (None = all; the others use A = I)."""
+    only on the chunks in `subset` (None = all; the others use A = I). `eps` None: not written, the step is
+    1e-3 raised to the compute dtype's floor (snlp.method.jacobian.fd_step); a written eps is taken
+    as it is, or refused below that floor (check_fd_step): eps:0.001 on bf16 would otherwise run as 0.088."""
 
     estimator: str = "fd"
     probes: int = 1
-    eps: float = 1e-3
+    eps: float | None = None
     subset: tuple[int, ...] | None = None
     token: ClassVar[str] = "diag"
     random: ClassVar[bool] = True
@@ -282,9 +284,12 @@ class DiagN(Surrogate):
             problems.append(f"unknown DiagN estimator {self.estimator!r}: valid estimators are {', '.join(ESTIMATORS)}")
         if not isinstance(self.probes, int) or isinstance(self.probes, bool) or self.probes < 1:
             problems.append(f"probes must be an integer >= 1 (got {self.probes!r})")
-        if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps > 0):
+        if self.eps is None:
+            pass
+        elif isinstance(self.eps, bool) or not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps)
+                                                 and self.eps > 0):
             problems.append(f"FD step eps must be > 0 and finite (got {self.eps})")
-        elif self.estimator in ESTIMATORS and self.estimator != "fd" and self.eps != 1e-3:
+        elif self.estimator in ESTIMATORS and self.estimator != "fd":  # any written eps, the default's value too
             problems.append(EPS_UNREAD.format(est=self.estimator))
         if self.subset is not None:
             sub = tuple(self.subset)
@@ -294,13 +299,14 @@ class DiagN(Surrogate):
                 object.__setattr__(self, "subset", tuple(sorted(int(i) for i in sub)))
         if problems:
             raise ValueError("invalid DiagN surrogate: " + "; ".join(problems))
-        object.__setattr__(self, "eps", float(self.eps))
+        if self.eps is not None:
+            object.__setattr__(self, "eps", float(self.eps))
 
     def __str__(self) -> str:
         s = f"-diag:{self.estimator}"
         if self.probes != 1:
             s += f"-probes:{self.probes}"
-        if self.eps != 1e-3:
+        if self.eps is not None:  # written, so printed: the plan string parses back to the same step
             s += f"-eps:{format_number(self.eps)}"
         if self.subset is not None:
             s += "-subset:" + ".".join(map(str, self.subset))

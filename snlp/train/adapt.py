@@ -53,6 +53,7 @@ from snlp.io.nanochat import is_nanochat_dir
 from snlp.io.drafter import load_drafter, read_meta, save_drafter
 from snlp.io.hf import from_hf
 from snlp.io.source import home_path
+from snlp.method.jacobian import check_fd_step
 from snlp.method.drafter import Drafter, drafter_from_model, make_drafter, suffix_parameters
 from snlp.method.lowrank import check_rank
 from snlp.method.plan import Plan
@@ -61,11 +62,13 @@ from snlp.method.ssd_solve import check_ssd_plan, exact_kv, ssd_solve
 from snlp.model.fingerprint import same_weights, weights_fingerprint
 from snlp.model.gpt import GPT, eval_mode
 from snlp.model.ops import norm
+from snlp.runtime.device import cli_device
 from snlp.train.checkpointing import UNSAVED_LOG, check_resume_left, read_log, unsaved_log_path
 from snlp.train.config import TrainConfig, resumed, shown
 from snlp.train.distributed import setup_dist, teardown_dist
 from snlp.train.hooks import TrainHooks, deferred
 from snlp.train.job import Job
+from snlp.train.precision import step_dtype
 from snlp.train.selfgen import self_distill_rows
 from snlp.train.trainer import fit
 from snlp.train.validate import ValidationResult, row_slices
@@ -653,6 +656,10 @@ def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None, base: tuple | None 
     uses a copy on cfg.device when it lives elsewhere), and its requires_grad flags and train/eval mode are as
     before when this returns. Under torchrun the gradients are all-reduced and rank 0 alone writes."""
     plan = cfg.check()
+    if not cfg.from_model:  # a diag:fd eps the student's step cannot take (its --dtype, bf16 under CUDA autocast):
+        # before the base loads and --out is made (the student's first solve refused it after the data was read)
+        device = cli_device(cfg.device) if cfg.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        check_fd_step(plan, step_dtype(device, getattr(torch, cfg.dtype)), device.type)
     # local paths absolute: the drafter's record (and eval's held-out split) then names the same data from any cwd
     cfg = replace(cfg, src=chat.local_path(cfg.src), data=chat.resolve_spec(cfg.data),
                   from_model=chat.local_path(cfg.from_model), init_drafter=chat.local_path(cfg.init_drafter),

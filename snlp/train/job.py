@@ -12,10 +12,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from snlp.io.tokenizer import Tokenizer
+from snlp.method.jacobian import check_fd_step
 from snlp.method.plan import Plan
 from snlp.method.solver import solve
 from snlp.model.gpt import GPT, GPTConfig
 from snlp.train.config import TrainConfig, effective_detach
+from snlp.train.precision import step_dtype
 from snlp.train.regularizer import RegConfig, parse_suffixes, resolve_suffixes, snlp_loss
 from snlp.train.validate import ValidationResult
 
@@ -60,6 +62,15 @@ class TrainStep(nn.Module):
         self.model, self.reg, self.plan = model, reg, plan
         # the regulariser's K=1 plans, built here, never inside a (compiled) forward: RegConfig.plans
         self.reg_plans = reg.plans(model.config.n_layer) if reg.active and model.config.n_layer > 1 else None
+
+    def check_fd_step(self, device) -> None:
+        """Refuse a diag:fd eps below the FD step floor of the dtype this step computes in on `device` (step_dtype:
+        bf16 under CUDA autocast), in the SNLP forward's plan or the regulariser's surrogate, before any step (the
+        solve refused it at the first step, after the data was read). `device` need not exist on this host."""
+        dtype, kind = step_dtype(device, self.model.wte.weight.dtype), torch.device(device).type
+        if self.plan is not None:
+            check_fd_step(self.plan, dtype, kind)
+        self.reg.check_fd_step(self.model.config.n_layer, dtype, kind)
 
     def forward(self, x, y, lam: float | Tensor, valid: Tensor | None = None, share: Tensor | None = None):
         """lam: the regulariser weight, a float (eager: 0 skips the regulariser) or a 0-dim tensor (the compiled

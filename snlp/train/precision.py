@@ -19,5 +19,7 @@ def autocast_context(device) -> Callable[[], ContextManager]:
 
 def step_dtype(device, dtype: torch.dtype) -> torch.dtype:
     """The dtype the training step's forward computes in on `device` for weights of `dtype`: bf16 under
-    `autocast_context`'s CUDA autocast, else the weights' own."""
-    return torch.bfloat16 if torch.device(device).type == "cuda" and dtype.is_floating_point else dtype
+    `autocast_context`'s CUDA autocast, else the weights' own. Autocast casts no fp64 tensor (its cast policy skips
+    double), so fp64 weights compute in fp64 on CUDA too."""
+    cast = torch.device(device).type == "cuda" and dtype.is_floating_point and dtype != torch.float64
+    return torch.bfloat16 if cast else dtype

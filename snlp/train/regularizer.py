@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from snlp.method.jacobian import check_fd_step
 from snlp.method.surrogates import DiagN, Identity, Surrogate, parse_surrogate
 from snlp.method.plan import Plan
 from snlp.method.solver import solve
@@ -90,6 +91,13 @@ class RegConfig:
         """Raise a ValueError unless every regularised plan fits the model (e.g. HCN needs mHC)."""
         for plan in self.plans(config.n_layer) if config.n_layer > 1 else ():
             plan.check_model(config)
+
+    def check_fd_step(self, n_layer: int, dtype: torch.dtype, device_type: str) -> None:
+        """Raise a ValueError where the surrogate's written diag:fd eps lies below the FD step floor of `dtype`, the
+        dtype the step computes in (snlp.train.precision.step_dtype: bf16 under CUDA autocast): the regulariser's
+        solve refused it only at the first step. A dtype and a device type, not a device: checked on any host."""
+        for plan in self.plans(n_layer) if self.active and n_layer > 1 else ():
+            check_fd_step(plan, dtype, device_type)
 
     def n_rows(self, batch: int) -> int:
         """Rows of a `batch`-row micro-batch the solve runs on: ceil(F * batch); a ValueError if that is 0

@@ -39,7 +39,7 @@ from snlp.train.hooks import INTERRUPT, WAIT, InterruptStop, TrainHooks, signal_
 from snlp.train.job import Job, TrainStep
 from snlp.train.muon import Muon, default_ns_dtype, warn_if_emulated
 from snlp.train.optim import Progress, build_optimizers, load_optimizer_states, lr_multiplier, set_lr
-from snlp.train.precision import autocast_context
+from snlp.train.precision import autocast_context, step_dtype
 from snlp.train.pretrain import apply_freeze, pretrain_job
 from snlp.train.regularizer import RegConfig, reg_rows
 from snlp.train.validate import ValidationResult
@@ -162,6 +162,8 @@ def setup(cfg: TrainConfig, make_job, hooks: TrainHooks, ctx: DistContext) -> tu
     if ctx.master:
         clear_killed_saves(Path(cfg.out))
     job = make_job(cfg, start.model, start.tokenizer, ctx.rank, ctx.world, ctx.device)
+    if isinstance(job.loss, TrainStep):  # a diag:fd eps the step's dtype on this device cannot take: before step 1
+        job.loss.check_fd_step(ctx.device)
     if start.resume is not None:  # before anything is written (the commands check it before loading, too)
         check_resume_command(cfg.out, job.name, start.resume.command)
     saved = start.resume.data_digest if start.resume else None
@@ -185,7 +187,7 @@ def setup(cfg: TrainConfig, make_job, hooks: TrainHooks, ctx: DistContext) -> tu
     opts = build_optimizers(job.model, cfg)
     if ctx.master:  # the dtypes the step computes in: weights, CUDA autocast, Muon's Newton-Schulz iterations
         warn_if_emulated(ctx.device, {p.dtype for p in job.model.parameters()}
-                         | ({torch.bfloat16} if ctx.device.type == "cuda" else set())
+                         | {step_dtype(ctx.device, p.dtype) for p in job.model.parameters()}
                          | {o.ns_dtype or default_ns_dtype(ctx.device) for o in opts if isinstance(o, Muon)}, job.name)
     state = resume(start.resume, opts)
     progress = Progress(cfg.total_steps, cfg.minutes)

@@ -841,3 +841,34 @@ def test_an_unknown_flag_is_one_line_of_its_command_with_the_flag_meant(argv, sa
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith(f"snlp {argv[0]}: error: ") and says in err[0], err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("command", ["eval", "tune"])
+def test_an_fd_eps_the_dtype_cannot_take_is_refused_before_the_validation_text_is_read(command, tmp_path, capsys):
+    """eval and tune read and tokenized their validation text before the plans' first solve refused a diag:fd eps below
+    the FD step floor of the --dtype (fp32: 3.45e-4); both refuse it once the weights are cast, before any text is
+    read (the line that counts the validation tokens never comes)."""
+    from conftest import text_checkpoint
+
+    ckpt, data, _ = text_checkpoint(tmp_path)
+    argv = [command, str(ckpt), "--data", str(data), "--dtype", "float32", "--device", "cpu", "--plans",
+            "2xF1-h0-K1,2xF1-h0-K1-diag-eps:1e-5"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "eps:1e-05 is below the smallest FD step of the compute dtype float32" in err
+    assert "validation tokens" not in err
+
+
+def test_adapt_refuses_an_fd_eps_the_dtype_cannot_take_before_the_base_loads(tmp_path, capsys):
+    """snlp adapt --kv own trains a diag:fd drafter whose student solve refused an eps below the FD step floor of the
+    step's dtype (fp32: 3.45e-4) only after the data was read, the banner printed and --out made. Refused first now:
+    --out is never made."""
+    from conftest import text_checkpoint
+
+    ckpt, data, _ = text_checkpoint(tmp_path)
+    out = tmp_path / "d"
+    assert main(["adapt", str(ckpt), "--kv", "own", "--plan", "2xF1-h0-K1-diag-eps:1e-5", "--out", str(out), "--data",
+                 str(data), "--steps", "1", "--device", "cpu"]) == 2
+    line = one_error_line(capsys, "adapt")
+    assert "eps:1e-05 is below the smallest FD step of the compute dtype float32" in line
+    assert not out.exists()

@@ -1310,7 +1310,9 @@ def test_a_gpu_probe_prices_smollm2_from_its_own_window():
 
 
 @pytest.mark.parametrize("plan,why", [("2xF1-preheat-K1", "calibration"), ("2xF1-h0-K1-hcn", "mHC"),
-                                      ("2xF1-h0-K1-causal", "drop -causal")])
+                                      ("2xF1-h0-K1-causal", "drop -causal"),
+                                      ("2xF1-h0-K1-diag-eps:1e-5", "below the smallest FD step of the compute dtype "
+                                                                   "float32")])
 def test_plans_the_models_cannot_run_are_refused_before_training(tmp_path, capsys, plan, why):
     """Review (helper-9): --plans with the preheat init or the hcn surrogate were accepted, and evaluation raised
     after both models had trained. Now refused up front, with nothing written."""

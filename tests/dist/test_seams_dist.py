@@ -426,6 +426,24 @@ def test_distributed_refuses_what_it_cannot_honour(chat_ckpt, argv, msg, capsys,
     assert msg in capsys.readouterr().err
 
 
+def test_generate_distributed_refuses_an_fd_eps_below_the_floor_before_launching_the_ranks(chat_ckpt, capsys,
+                                                                                           monkeypatch):
+    """generate --distributed passed a diag:fd eps below the FD step floor of the ranks' dtype (fp32: 3.45e-4) on to
+    the process group: each rank's DistributedSNLP refused it there, after the group had started. Refused in the
+    parent, before the launcher is called (a launcher that records its calls stands in for the process group); the
+    floor's own value is launched."""
+    import snlp.apps.dist as D
+    from snlp.apps.cli import main
+
+    launched = []
+    monkeypatch.setattr(D, "_run_ranked", lambda command, args, body: launched.append(args.plan) or 0)
+    base = ["generate", str(chat_ckpt[0]), "--distributed", "--mode", "snlp", "--device", "cpu", "--plan"]
+    assert main(base + ["2xF1-h0-K1-diag-eps:1e-5"]) == 2
+    assert "eps:1e-05 is below the smallest FD step of the compute dtype float32" in capsys.readouterr().err
+    assert launched == []
+    assert main(base + ["2xF1-h0-K1-diag-eps:0.000346"]) == 0 and launched == ["2xF1-h0-K1-diag-eps:0.000346"]
+
+
 @pytest.mark.parametrize("argv", [
     ["generate", "{ckpt}", "--distributed", "--mode", "snlp", "--plan", "2xF1-h0-K1"],
     ["bench", "--distributed", "--depth", "4", "--plans", "4xF1-h0-K1,2xF1-h0-K1"],

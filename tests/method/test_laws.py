@@ -30,7 +30,7 @@ def surrogates(draw, family: str, chunks: int):
     if family == "diag":
         subset = draw(st.one_of(st.none(), st.sets(st.integers(0, chunks - 1), min_size=1).map(tuple)))
         est = draw(st.sampled_from(["fd", "jvp", "vjp"]))  # eps is fd's step only
-        return DiagN(est, probes=draw(st.integers(1, 3)), eps=draw(st.sampled_from([1e-3, 1e-2])) if est == "fd" else 1e-3,
+        return DiagN(est, probes=draw(st.integers(1, 3)), eps=draw(st.sampled_from([None, 1e-3, 1e-2])) if est == "fd" else None,
                      subset=subset)
     return {"idn": Identity(), "none": Jacobi(), "hcn": HCN(), "newton": Newton()}[family]
 

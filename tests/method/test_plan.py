@@ -19,7 +19,7 @@ def plans(draw):
         subset = draw(st.one_of(st.none(), st.sets(st.integers(0, chunks - 1), min_size=1).map(tuple)))
         est = draw(st.sampled_from(["fd", "jvp", "vjp"]))  # eps is fd's step only
         surrogate = DiagN(estimator=est, probes=draw(st.integers(1, 8)),
-                          eps=draw(st.sampled_from([1e-3, 1e-2, 2.5e-4])) if est == "fd" else 1e-3, subset=subset)
+                          eps=draw(st.sampled_from([None, 1e-3, 1e-2, 2.5e-4])) if est == "fd" else None, subset=subset)
     corrects = surrogate != "none"  # Jacobi has no correction to damp or order
     return Plan(chunks=chunks, fuse=draw(st.integers(1, 4)), init=draw(st.sampled_from(["h0", "fwd"])),
                 iters=draw(st.integers(0, 9)), surrogate=surrogate,

@@ -42,7 +42,7 @@ def plans(draw):
         subset = draw(st.one_of(st.none(), st.sets(st.integers(0, chunks - 1), min_size=1).map(tuple)))
         est = draw(st.sampled_from(ESTIMATORS))  # eps is fd's step only
         sur = DiagN(est, probes=draw(st.integers(1, 9)),
-                    eps=draw(_floats(0.0, 1e6, exclude_min=True)) if est == "fd" else 1e-3, subset=subset)
+                    eps=draw(st.one_of(st.none(), _floats(0.0, 1e6, exclude_min=True))) if est == "fd" else None, subset=subset)
     else:
         sur = {"idn": Identity(), "none": Jacobi(), "hcn": HCN(), "newton": Newton()}[kind]
     order = draw(st.one_of(st.none(), st.permutations(range(chunks)).map(tuple)))

@@ -111,11 +111,20 @@ def test_per_probe_products_are_exact_for_jvp_vjp_and_fd_on_a_linear_map():
 
 
 def test_fd_step_is_relative_per_token_and_floored():
+    """The unwritten step (None) is 1e-3 raised to the compute dtype's floor; a written one is taken as written or
+    refused, never raised (eps:0.001 under bf16 ran as 0.088 under its own name). Autocast leaves fp64 in fp64."""
     x = torch.cat([torch.full((1, 4), 100.0), torch.full((1, 4), 0.01)]).double()  # two tokens
     s = S.fd_step(x, 1e-3, token_dims=1)
     assert s.shape == (2, 1) and s[0, 0] == pytest.approx(0.1) and s[1, 0] == pytest.approx(1e-3)
+    assert torch.equal(S.fd_step(x, None, 1), s)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # low-precision compute: step raised to sqrt(machine eps)
-        assert S.fd_step(x.float(), 1e-3, 1)[1, 0] == pytest.approx(torch.finfo(torch.bfloat16).eps ** 0.5)
+        assert S.fd_step(x.float(), None, 1)[1, 0] == pytest.approx(torch.finfo(torch.bfloat16).eps ** 0.5)
+        with pytest.raises(ValueError, match=r"eps:0.001 is below the smallest FD step of the compute dtype bfloat16"):
+            S.fd_step(x.float(), 1e-3, 1)
+        assert S.fd_step(x.float(), 0.1, 1)[1, 0] == pytest.approx(0.1)
+        assert torch.equal(S.fd_step(x, 1e-3, 1), s)  # autocast casts no fp64 tensor: fp64's floor, 1.5e-8
+        assert S.compute_dtype(torch.float64, "cpu") == torch.float64
+        assert S.compute_dtype(torch.float32, "cpu") == torch.bfloat16
 
 
 
@@ -143,6 +152,28 @@ def test_an_fd_eps_below_the_dtype_floor_is_refused_not_raised_silently():
             with pytest.raises(ValueError, match=r"compute dtype bfloat16"):
                 solve(m32, idx, "3xF1-h0-K2-diag-eps:0.01")
     assert S.fd_floor(torch.float32) == pytest.approx(floor)
+
+
+def test_a_written_fd_eps_equal_to_the_default_is_checked_as_written():
+    """A written eps:0.001 is a step the plan asks for: on a bf16 model (floor 0.088) it was read as the unwritten
+    default and raised to 0.088 without a word, while eps:0.01 was refused. Refused alike now (solve, bind, parse
+    round trip keeps it written); the plan without eps still runs at the floor, and eps:0.1 runs as written."""
+    m16 = make_model(seed=1, n_layer=4, dtype=torch.bfloat16)
+    idx = tokens(m16)
+    p = Plan.parse("3xF1-h0-K2-diag-eps:0.001")
+    assert p.surrogate.eps == 1e-3 and Plan.parse(str(p)) == p and str(p).endswith("eps:0.001")
+    assert Plan.parse("3xF1-h0-K2-diag").surrogate.eps is None and Plan.parse("3xF1-h0-K2-diag") != p
+    with torch.no_grad():
+        for run in (lambda q: solve(m16, idx, q), lambda q: bind(m16, q)):
+            with pytest.raises(ValueError, match=r"eps:0.001 is below the smallest FD step of the compute dtype "
+                                                 r"bfloat16 .*write eps:0.0885 or more"):
+                run(p)
+        solve(m16, idx, "3xF1-h0-K2-diag")
+        solve(m16, idx, "3xF1-h0-K2-diag-eps:0.1")
+        m64 = make_model(seed=1, n_layer=4)  # the written default on fp64 is the unwritten one's step
+        assert torch.equal(solve(m64, idx, p).hidden, solve(m64, idx, "3xF1-h0-K2-diag").hidden)
+    with pytest.raises(ValueError, match="drop eps"):  # the default's value written for an AD estimator, too
+        DiagN("jvp", eps=1e-3)
 
 
 def _chunk_setup(seed=2, C=3):

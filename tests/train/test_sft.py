@@ -917,3 +917,34 @@ def test_forward_plan_fd_eps_below_the_step_dtype_floor_is_refused_before_the_da
     with pytest.raises(Exception) as e:
         sft_job(scfg)(cfg, None, None, 0, 1, torch.device("cpu"))
     assert "FD step" not in str(e.value) and "missing.jsonl" in str(e.value)
+
+
+def test_step_dtype_is_the_dtype_autocast_computes_in():
+    """step_dtype names the dtype the SFT / training step computes in under autocast_context (bf16 autocast on CUDA):
+    it said bf16 for fp64 weights, which autocast leaves in fp64 (its cast policy skips double), so SFT's fd-step
+    check refused a diag:fd eps the fp64 step takes. Reference: the dtype torch's bf16 autocast gives a linear layer of
+    each weight dtype (on the CPU, whose autocast casts the same dtypes); no autocast off CUDA."""
+    from snlp.train.precision import step_dtype
+
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        w = torch.ones(2, 2, dtype=dtype)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = torch.nn.functional.linear(w, w).dtype
+        assert step_dtype("cuda", dtype) == step_dtype(torch.device("cuda", 1), dtype) == autocast, dtype
+        assert step_dtype("cpu", dtype) == dtype
+    assert step_dtype("cuda", torch.int64) == torch.int64
+
+
+def test_sft_grid_refuses_an_fd_eps_its_snlp_forward_run_cannot_take_before_training(tmp_path, capsys):
+    """sft-grid trains the sequential SFT run first, then the SNLP-forward one, whose job refused a diag:fd eps below
+    the FD step floor of its step's dtype (fp32 on the CPU: 3.45e-4) only then, after the first run had trained and
+    been scored. Refused before any training: --out is never made."""
+    write_task(tmp_path, 40, 30, 20, 2, 32)
+    out = tmp_path / "grid"
+    capsys.readouterr()
+    assert main(["sft-grid", str(tmp_path / "base"), "--data", str(tmp_path / "chats.jsonl"), "--plan",
+                 "1xF1-h0-K1-diag-eps:1e-5", "--task", f"mc:{tmp_path / 'test.jsonl'}", "--out", str(out), "--mc-limit",
+                 "2", "--steps", "1", "--batch-size", "2", "--seq-len", "64", "--eval-every", "1000", "--eval-batches",
+                 "1", "--no-progress", "--device", "cpu"]) == 2
+    assert "eps:1e-05 is below the smallest FD step of the compute dtype float32" in capsys.readouterr().err
+    assert not out.exists()

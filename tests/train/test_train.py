@@ -378,3 +378,40 @@ def test_more_eval_batches_than_the_split_holds_are_named_at_the_start(corpus, t
     assert len(lines) == 1 and "all the validation split holds (--eval-batches 100000)" in lines[0]
     n = int(lines[0].split("validating on ")[1].split()[0])
     assert 1 <= n < 100_000
+
+
+def test_a_regularisers_fd_eps_the_step_dtype_cannot_take_is_refused_before_step_1(corpus, tmp_path):
+    """A library RegConfig whose DiagN surrogate writes an eps below the FD step floor of the step's compute dtype
+    reached no check until the regulariser's solve at step 1 (on CUDA: bf16 autocast, floor 0.088; no CLI flag writes
+    an eps). The trainer refuses it when it builds the run, before any batch is drawn; the check takes a device it
+    need not have: eps:0.01 passes for an fp32 step on the CPU and is refused for the same model's CUDA step."""
+    from snlp import DiagN
+    from snlp.train import trainer as T
+    from snlp.train.config import TrainConfig
+    from snlp.train.job import TrainStep
+    from snlp.train.pretrain import pretrain_job
+    from snlp.train.regularizer import RegConfig
+
+    drawn = []
+
+    def make_job(eps):
+        def make(*a):
+            job = pretrain_job(*a)
+            job.loss = TrainStep(job.model, RegConfig(DiagN("fd", eps=eps), suffixes=(1,)))
+            batch = job.batch
+            job.batch = lambda *b: drawn.append(b) or batch(*b)
+            return job
+        return make
+
+    cfg = TrainConfig(out=str(tmp_path / "run"), data=str(corpus), cache_dir=str(tmp_path / "cache"), depth=2,
+                      width=32, head_dim=16, vocab_size=300, seq_len=16, batch_size=2, steps=1, eval_every=100,
+                      log_every=1, eval_batches=1, no_progress=True, device="cpu", reg_n="1")
+    with pytest.raises(ValueError, match=r"eps:0.0001 is below the smallest FD step of the compute dtype float32"):
+        T.fit(cfg, make_job(1e-4))
+    assert drawn == [] and not (tmp_path / "run" / "model.safetensors").exists()
+    step = TrainStep(make_job(1e-2)(cfg, None, None, 0, 1, torch.device("cpu")).model,
+                     RegConfig(DiagN("fd", eps=1e-2), suffixes=(1,)))
+    step.check_fd_step("cpu")
+    with pytest.raises(ValueError, match=r"eps:0.01 is below the smallest FD step of the compute dtype bfloat16"):
+        step.check_fd_step("cuda")
+    RegConfig(DiagN("fd"), suffixes=(1,)).check_fd_step(2, torch.bfloat16, "cuda")  # the unwritten eps: raised

@@ -394,8 +394,12 @@ def setup(args) -> Speedrun:
     from snlp.train.pretrain import build_config
 
     mcfg = build_config(tcfg, cfg.vocab_size)  # the models' shape: what a plan needs of it (-causal: a window in the
+    from snlp.method.jacobian import check_fd_step
+
     for p in parsed:  #                          suffix, which the speedrun's full-attention models lack), here, before
         p.check_model(mcfg)  #                   they train, not when evaluation binds the plan
+        # a diag:fd eps below the FD step floor of the eval stages' dtype (they load the models in float32)
+        check_fd_step(p, torch.float32, torch.device(args.device).type)
     if args.force:  # the token cache and the record that names it; the trained models and their records go only
         # when training starts anew (train._train): a forced run refused by the budget, or stopped before it trains,
         # keeps the models it would have replaced (their stale records are never reused: --force skips every
