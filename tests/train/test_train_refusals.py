@@ -238,3 +238,21 @@ def test_train_config_refuses_a_bool_or_wrong_type_as_a_count_in_one_line(field,
         fit(cfg)
     assert said in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert not cache.exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name", ["nanochat-L", "nanochat-mhc"])
+def test_hc_lr_with_a_nanochat_init_from_is_refused_before_any_work(name, corpus, tmp_path, capsys):
+    """check_hc_flags reads the streams of an snlp checkpoint only; a nanochat folder (model_NNNNNN.pt + meta) is
+    left to the loader. No run starts from one: fine-tuning needs the model's tokenizer, which nanochat's folders do
+    not hold, so `--init-from` of one is refused in one line before the data is read or --out made, --hc-lr or not.
+    Should nanochat folders ever load with a tokenizer, --hc-lr needs the check of their streams (meta's use_mhc)."""
+    src = Path(__file__).resolve().parents[1] / "data" / "nanochat" / name
+    out, cache = tmp_path / "ft", tmp_path / "cache"
+    capsys.readouterr()
+    for extra in ([], ["--hc-lr", "0.1"]):
+        assert main(["train", "--init-from", str(src), "--data", str(corpus), "--cache-dir", str(cache), "--out",
+                     str(out), "--seq-len", "16", "--batch-size", "2", "--steps", "1", "--no-progress", "--device",
+                     "cpu", *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "has no tokenizer.json" in err, err
+        assert not out.exists() and not cache.exists()
