@@ -917,3 +917,19 @@ def test_forward_plan_fd_eps_below_the_step_dtype_floor_is_refused_before_the_da
     with pytest.raises(Exception) as e:
         sft_job(scfg)(cfg, None, None, 0, 1, torch.device("cpu"))
     assert "FD step" not in str(e.value) and "missing.jsonl" in str(e.value)
+
+
+@pytest.mark.parametrize("field, value, said", [("max_conversations", True, "--max-conversations must be an integer"),
+                                                ("max_conversations", 2.0, "--max-conversations must be an integer"),
+                                                ("val_frac", True, "--val-frac takes a number, not True")])
+def test_sft_config_refuses_a_bool_as_a_count_or_fraction(field, value, said, tmp_path):
+    """SFTConfig(max_conversations=True) read one conversation (True is the int 1), as TrainConfig's counts did:
+    refused in one line before the checkpoint is read."""
+    from snlp.train.config import TrainConfig
+    from snlp.train.sft import SFTConfig, sft
+
+    cfg = SFTConfig(ckpt=str(tmp_path / "missing"), data=str(tmp_path / "c.jsonl"),
+                    train=TrainConfig(out=str(tmp_path / "o"), steps=1, device="cpu"), **{field: value})
+    with pytest.raises(ValueError, match=said):
+        sft(cfg)
+    assert not (tmp_path / "o").exists()
