@@ -246,7 +246,6 @@ def _empty_rank0_ddp(rank, world, port, cfg):
     fit(cfg, make_job=empty_rank0_job)
 
 
-@pytest.mark.slow  # two spawned gloo ranks: ~15 s on 2 cores
 def test_a_ddp_rank_without_targets_weighs_nothing_and_logs_no_nan(tmp_path):
     """Under DDP a rank whose micro-batch has no target has share 0 and a CE mean of 0/0 = NaN; its gradient is 0 (the
     step is right) but its logged CE, NaN x 0, made the step's loss NaN, and the run stopped saying the loss had
