@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import copy
 import importlib
 import importlib.util
+import io
 import re
 import sys
 import warnings
+
+from snlp.runtime.ranks import speaks
 
 # sub-command -> module
 COMMANDS = {
@@ -407,7 +411,8 @@ def given_flags(parser: argparse.ArgumentParser, argv: list[str], args) -> froze
 
 
 def one_line_warning(message, category, filename, lineno, file=None, line=None) -> str:
-    return f"snlp: warning: {message}\n"
+    # under torchrun a warning before the ranks' process group starts is every rank's alike: rank 0 says it
+    return f"snlp: warning: {message}\n" if speaks() else ""
 
 
 def new_folders(out) -> list:
@@ -499,10 +504,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(command_of(argv))
     argv = attach_negative_values(parser, argv)
-    args, extra = parser.parse_known_args(argv)
+    # under torchrun every rank parses the same flags: argparse's refusal (usage and error) is said by rank 0
+    with contextlib.nullcontext() if speaks() else contextlib.redirect_stderr(io.StringIO()):
+        args, extra = parser.parse_known_args(argv)
     if extra:  # one line naming the sub-command (argparse's names the top-level parser after its usage)
         sub = parser.commands[args.command]
-        print(f"{sub.prog}: error: {unrecognized(sub, extra, argv)}", file=sys.stderr)
+        if speaks():
+            print(f"{sub.prog}: error: {unrecognized(sub, extra, argv)}", file=sys.stderr)
         return 2
     args.given = given_flags(parser, argv, args)  # what --resume keeps from the saved run: the flags not typed
     formatwarning, warnings.formatwarning = warnings.formatwarning, one_line_warning  # the library's warnings as
@@ -520,7 +528,8 @@ def main(argv: list[str] | None = None) -> int:
             return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, FloatingPointError) as e:  # bad input: say what and why, no traceback
         remove_empty(made)
-        print(f"snlp {args.command}: error: {e}", file=sys.stderr)
+        if speaks():  # under torchrun a refusal before the ranks' process group is every rank's alike: rank 0's
+            print(f"snlp {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # a command that can pick up where it stopped says how (its module's interrupt_hint)
         signum = getattr(e, "signum", 2)  # snlp.train.hooks.Interrupted: another signal than Ctrl-C's SIGINT (2)

@@ -545,5 +545,5 @@ def run_mc_task(args, model, tokenizer, preheat=None) -> int:
     write(result)
     for path in (args.json, args.markdown):
         if path:
-            print(f"wrote {path}", file=sys.stderr)
+            print(f"wrote {path}")  # on stdout, as the LM metrics, the drafter and the harness say theirs
     return 0

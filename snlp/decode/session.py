@@ -21,6 +21,7 @@ from snlp.method.preheat import Preheat
 from snlp.method.solver import SNLPDivergenceError, bind
 from snlp.model.cache import KVCache
 from snlp.model.gpt import GPT, check_gpt
+from snlp.runtime.checks import check_count
 from snlp.runtime.timing import now
 
 @dataclass
@@ -193,16 +194,6 @@ def check_fits(n: int, max_len: int, index: int | None = None) -> None:
     if n > max_len:
         which = "prompt" if index is None else f"prompt {index}"
         raise ValueError(f"{which} of {n} tokens is longer than the KV cache (max_len {max_len})")
-
-
-def check_count(value, name: str, least: int) -> None:
-    """A ValueError naming `name` unless `value` is a Python int >= least (not a bool; a numpy integer is refused
-    by name: the cache and the budget arithmetic take Python ints)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= least:
-        return
-    kind = (f", a {type(value).__module__}.{type(value).__name__}: pass int(...)"
-            if hasattr(value, "__index__") and not isinstance(value, (int, bool)) else "")
-    raise ValueError(f"{name} must be an integer >= {least} (got {value!r}{kind})")
 
 
 def check_decode_args(max_new_tokens: int, temperature: float, block: int | None = None) -> None:

@@ -81,6 +81,7 @@ from snlp.decode.session import (DecodeSession, GenerateResult, Sampling, check_
                                  check_stream, make_generator, pooled_alpha, sampling)
 from snlp.decode.speculative import penalised_draft_pick, speculative_verdict
 from snlp.method.preheat import Preheat
+from snlp.runtime.ranks import group_started
 from snlp.runtime.timing import now, round_order
 from snlp.method.solver import SNLPDivergenceError, as_plan, check_preheat, freeze_rows, row_mask, row_updates
 
@@ -130,6 +131,7 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, device: str | torch.d
                              f"`torchrun --nproc_per_node=P -m snlp ...`")
         backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    group_started()  # from here a rank's error may be its own: every rank says it (snlp.runtime.ranks)
     return dist.get_rank(), dist.get_world_size()
 
 

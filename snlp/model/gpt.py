@@ -319,6 +319,18 @@ class GPT(nn.Module):
         if isinstance(idx, Tensor) and targets.shape != idx.shape:
             raise ValueError(f"targets must have the ids' shape {tuple(idx.shape)} (the next token of each position, "
                              f"-1 where ignored), got {tuple(targets.shape)}")
+        # the loss is the mean over the targets that are not -1: with none it is 0/0, a NaN that F.cross_entropy
+        # returns without a word (a training loop stepped on it or logged it as the loss). Read only where the
+        # targets sit in host memory, as check_tokens reads the ids: elsewhere it would be a sync on every forward
+        if targets.device.type == "cpu" and not torch.compiler.is_compiling() and targets.numel():
+            real = targets[targets != -1]
+            if real.numel() == 0:
+                raise ValueError(f"targets of shape {tuple(targets.shape)} are all -1 (ignored): the mean "
+                                 f"cross-entropy over no token is undefined; give at least one real target")
+            lo, hi = int(real.min()), int(real.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(f"targets must be -1 (ignored) or lie in [0, {self.config.vocab_size}), got "
+                                 f"range [{lo}, {hi}]")
         return targets.long()
 
     def rotary(self, T: int, start: int | Tensor = 0) -> tuple[Tensor, Tensor]:

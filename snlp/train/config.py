@@ -10,10 +10,21 @@ from pathlib import Path
 from snlp.io.chat import resolve_spec
 from snlp.io.data import files_signature, is_local, missing_parts, parts
 from snlp.io.source import home_path
+from snlp.runtime.checks import check_bools, count_error, number_error
 from snlp.train.regularizer import check_rows
 from snlp.train.validate import ValidationResult
 
 
+# the integer settings (OPTIONAL ones also None: unset); `check` refuses a bool or any other type before their ranges:
+# True is an int, so steps=True trained one step and batch_size=True one row, and a float count passed `< 1`
+COUNTS = ("depth", "width", "aspect_ratio", "head_dim", "kv_heads", "vocab_size", "hc_streams", "seq_len", "batch_size",
+          "grad_accum", "steps", "stop_after", "warmup_steps", "seed", "max_chars", "time_reg", "reg_stride",
+          "reg_warmup", "eval_every", "eval_batches", "save_every", "log_every", "freeze_prefix")
+OPTIONAL = ("width", "kv_heads", "steps", "stop_after", "freeze_prefix")
+# the real-valued settings (None: unset, where OPTIONAL_NUMBERS): a bool is refused, as for the counts
+NUMBERS = ("val_frac", "minutes", "matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "hc_lr", "weight_decay",
+           "warmdown", "grad_clip", "reg_lambda", "reg_rows")
+OPTIONAL_NUMBERS = ("minutes", "matrix_lr", "reg_rows")
 FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: the optimizers' step takes the LR as a float32
 
 
@@ -87,9 +98,24 @@ class TrainConfig:
         return 1000 if self.steps is None and self.minutes is None else self.steps
 
     def check(self) -> None:
-        """Raise a ValueError naming the flag of the first setting out of range."""
-        for name in ("seq_len", "batch_size", "grad_accum", "depth", "eval_every", "eval_batches", "log_every"):
-            if getattr(self, name) < 1:
+        """Raise a ValueError naming the flag of the first setting of the wrong type or out of range."""
+        for name in COUNTS:
+            v = getattr(self, name)
+            if not (v is None and name in OPTIONAL) and (err := count_error(f"--{name.replace('_', '-')}", v)):
+                raise ValueError(err)
+        for name in NUMBERS:
+            v = getattr(self, name)
+            if not (v is None and name in OPTIONAL_NUMBERS) and (err := number_error(f"--{name.replace('_', '-')}", v)):
+                raise ValueError(err)
+        check_bools(resume=self.resume, no_x0=self.no_x0, no_ve=self.no_ve, hc_static=self.hc_static,
+                    compile=self.compile, no_progress=self.no_progress)
+        if self.reg_detach is not None:
+            check_bools(reg_detach=self.reg_detach)
+        if not 0 < self.val_frac < 1:  # (NaN too) refused by the split only once every document was read
+            raise ValueError(f"--val-frac must lie in (0, 1), a fraction of the documents (got {self.val_frac})")
+        for name in ("seq_len", "batch_size", "grad_accum", "depth", "eval_every", "eval_batches", "log_every",
+                     "aspect_ratio", "head_dim", "width", "kv_heads"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
         if self.save_every < 0:  # the loop's step % N would save after every step
             raise ValueError(f"--save-every must be >= 0 (N > 0: also every N steps, 0: only at the end; got "

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from snlp.runtime.device import cli_device
 from snlp.runtime.load import own_threads, ranks_threads
+from snlp.runtime.ranks import group_started
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ def setup_dist(device_arg: str | None) -> DistContext:
     owns = world > 1 and not dist.is_initialized()
     if owns:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if dist.is_initialized():  # from here a rank's error may be its own: every rank says it (snlp.runtime.ranks)
+        group_started()
     return DistContext(rank, world, device, owns)
 
 

@@ -22,6 +22,7 @@ import snlp.io.chat as chat
 from snlp.io.checkpoint import load, load_train_state
 from snlp.method.jacobian import check_fd_step
 from snlp.method.plan import Plan
+from snlp.runtime.checks import count_error, number_error
 from snlp.model.fingerprint import same_weights, weights_fingerprint
 from snlp.train.checkpointing import check_resume_command
 from snlp.train.config import TrainConfig, TrainResult, resumed
@@ -212,6 +213,9 @@ def sft(scfg: SFTConfig, hooks: TrainHooks | None = None) -> TrainResult:
         plan = forward_plan(scfg.forward)  # a clear error before any loading
         if scfg.train.compile:
             check_compile(RegConfig(), plan)
+    # True is an int: max_conversations=True read one conversation (TrainConfig.check's rule of the counts)
+    if err := count_error("--max-conversations", scfg.max_conversations) or number_error("--val-frac", scfg.val_frac):
+        raise ValueError(err)
     if not 0 < scfg.val_frac < 1:
         raise ValueError(f"--val-frac must lie in (0, 1), got {scfg.val_frac}")
     if scfg.max_conversations < 0:  # the loader stops once it holds `limit`: -1 read one conversation

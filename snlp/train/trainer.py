@@ -351,7 +351,10 @@ def train_step(run: Run, state: LoopState) -> StepStats:
         # the tokens a step trains on: a padded batch's real positions (a host-side count, the mask is still on
         # the CPU), so tokens/s and MFU do not count padding (--compile pads every SFT batch to one length)
         n_tok += x.numel() if valid is None else int(valid.sum())
-        share = token_shares(micro_counts(run.job, y, valid), ctx, run.share_dtype) if ctx.world > 1 else None
+        counts = micro_counts(run.job, y, valid)
+        if ctx.world == 1:
+            check_has_targets(run.job, y, counts, state)
+        share = token_shares(counts, ctx, run.share_dtype) if ctx.world > 1 else None
         x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
         extra = () if valid is None else (valid.to(ctx.device, non_blocking=True),)
         if run.flops_per_token is None:  # once, on the real step's batch (the eager module: the same math);
@@ -366,7 +369,11 @@ def train_step(run: Run, state: LoopState) -> StepStats:
             with run.autocast():
                 loss, ce, rg = run.stepper(x, y, lam, *extra, **({} if share is None else {"share": share}))
             (loss / cfg.grad_accum).backward()
-        # weighted as the loss is (token_shares): the ranks' average below is then the global batch's token mean
+        # weighted as the loss is (token_shares): the ranks' average below is then the global batch's token mean. A
+        # rank whose micro-batch has no target (share 0) has a CE mean of 0/0 = NaN, and NaN x 0 is NaN: it weighs
+        # nothing (its gradient is 0, as autograd gives it), so its mean is dropped on the device, no host read
+        if share is not None:
+            ce, rg = torch.where(share[0] > 0, ce, 0), torch.where(share[1] > 0, rg, 0)
         ce_sum = ce_sum + (ce if share is None else ce * share[0])  # out of place: promoted to the wider dtype
         reg_sum = reg_sum + (rg if share is None else rg * share[1])
     # the norm is measured without clipping too (--grad-clip 0, the paper script's setting): it is what shows a
@@ -396,6 +403,21 @@ def micro_counts(job, y: torch.Tensor, valid: torch.Tensor | None) -> tuple[floa
     if job.counts is not None:
         return job.counts(y, valid)
     return None if valid is None else (float((y != -1).sum()), float(valid.sum()))
+
+
+def check_has_targets(job, y: torch.Tensor, counts: tuple[float, float] | None, state) -> None:
+    """Refuse, in one process, a micro-batch with no target to train on, before its forward: its CE mean is 0/0, a
+    NaN the step would apply and log (the run then stopped saying the loss diverged, lower the learning rates).
+    The count is the job's (Job.counts, SFT's targets != -1), else y's entries != -1 where y is host memory (a
+    device y would cost a sync per micro-batch). A job with its own counts and a loss that defines the empty mean
+    (snlp adapt's reply-weighted KL: 0) is its own judge. Under DDP the ranks' shares weigh a rank without targets
+    at 0 (train_step)."""
+    if job.counts is not None:
+        return
+    n = counts[0] if counts is not None else (int((y != -1).sum()) if y.device.type == "cpu" else None)
+    if n == 0:
+        raise ValueError(f"micro-batch {state.micro - 1} (step {state.step + 1}) has no target to train on: every "
+                         f"target is -1 (ignored), so its mean loss is 0/0; give each micro-batch at least one")
 
 
 def token_shares(counts: tuple[float, float] | None, ctx: DistContext,

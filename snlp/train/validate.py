@@ -55,6 +55,12 @@ def validate(model: GPT, batches, device, autocast: Callable[[], ContextManager]
     one forward of them all would hold P times the (rows, T, V) logits training needs); each batch's CE and gaps
     are then its slices' means weighted by their targets / positions, the batch's own token means. None: whole."""
     reg = reg or RegConfig()
+    # a batch's CE is the mean over its targets (-1 ignored): a batch with none has no CE (0/0, the NaN the loss
+    # logged), so the CE averages over the batches that have targets, and batches with none at all are refused
+    scored = sum(int((yb != -1).sum()) > 0 for _, yb in batches)
+    if batches and not scored:
+        raise ValueError(f"none of the {len(batches)} validation batches has a target (every target is -1, "
+                         f"ignored): the validation loss over no token is undefined")
     ce, ce_plan, gaps = 0.0, 0.0, {n: 0.0 for n in suffixes}
     # the training loop's model leaves in the modes it came in (each submodule's own), an exception too
     with eval_mode(model):
@@ -63,9 +69,9 @@ def validate(model: GPT, batches, device, autocast: Callable[[], ContextManager]
             n_ce = max(int((yb != -1).sum()), 1)
             for cut in cuts:
                 x, y = xb[cut], yb[cut]
-                # one forward: the batch's means as they are; slices: each one's share of the batch's targets (CE) and
+                # each slice's share of the batch's targets (CE; one forward: 1, or 0 for a batch without any) and
                 # positions (gaps)
-                w_ce, w_pos = (1.0, 1.0) if len(cuts) == 1 else (int((y != -1).sum()) / n_ce, x.size(0) / xb.size(0))
+                w_ce, w_pos = int((y != -1).sum()) / n_ce, x.size(0) / xb.size(0)
                 x, y = x.to(device), y.to(device)
                 with autocast():
                     if w_ce > 0:  # a slice without targets: its CE mean is 0/0 and weighs nothing
@@ -77,5 +83,5 @@ def validate(model: GPT, batches, device, autocast: Callable[[], ContextManager]
                     for n in suffixes:
                         gaps[n] += snlp_gap(model, x, reg.plan(n)) * w_pos
     k = len(batches)
-    return ValidationResult(loss=ce / k, gaps={n: g / k for n, g in gaps.items()},
-                            loss_plan=ce_plan / k if plan is not None else None)
+    return ValidationResult(loss=ce / scored, gaps={n: g / k for n, g in gaps.items()},
+                            loss_plan=ce_plan / scored if plan is not None else None)

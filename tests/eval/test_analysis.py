@@ -731,3 +731,26 @@ def test_calibrate_names_the_stream_width_an_mhc_rank_is_capped_at(tmp_path, cap
     ck = save_checkpoint(tmp_path / "ck", make_model(seed=2, n_layer=2, hc_streams=2).float())
     assert main(["calibrate", str(ck), "--rank", "40", "--batch", "2", "--seq-len", "32"]) == 0
     assert "(asked for 40: capped at the width of its 2 x 16 stream embedding, 32)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kw, said", [
+    (dict(seq_len=True), "seq_len must be an integer (got True)"),
+    (dict(batch=True), "batch must be an integer (got True)"),
+    (dict(probes=2.0), "probes must be an integer (got 2.0)"),
+    (dict(seed=-1), "seed=-1"),
+    (dict(layers=(True,)), "each of layers must be an integer (got True)"),
+    (dict(suffixes=(False, 2)), "each of suffixes must be an integer (got False)"),
+    (dict(ordering_iters=(-1,)), "ordering_iters=[-1]"),
+    (dict(elk_chunks=(True,)), "each of elk_chunks must be an integer (got True)"),
+    (dict(elk_values=(True,)), "each ELK value takes a number, not True"),
+    (dict(progress="no"), "progress must be True or False"),
+    (dict(only="jacobian"), "only must be a tuple of section names, not the string 'jacobian'"),
+])
+def test_analysis_config_refuses_a_bool_or_wrong_type_in_one_line(kw, said):
+    """True is an int: AnalysisConfig(seq_len=True) read one-token windows and batch=True one window per forward,
+    layers=(True,) diagnosed layer 1, and only='jacobian' was named as eight unknown sections ('j', 'a', ...).
+    `analyze` refuses each in one line before any work (check_model calls check); the defaults pass."""
+    A.AnalysisConfig().check(4)
+    with pytest.raises(ValueError) as e:
+        A.AnalysisConfig(**kw).check(4)
+    assert said in str(e.value) and "\n" not in str(e.value), str(e.value)

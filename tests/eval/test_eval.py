@@ -439,7 +439,8 @@ def test_cli_writes_every_output(ckpt, tmp_path, capsys):
 
 def test_eval_drafter_says_each_file_it_writes_as_the_lm_metrics_do(ckpt, tmp_path, capsys):
     """`snlp eval --plans P --json J --markdown M` prints `wrote J` and `wrote M`; with --drafter the markdown file was
-    written without a word. Both modes now say each file they write, in the order written, on stdout."""
+    written without a word, and multiple-choice (--task) said its files on stderr. Every mode now says each file it
+    writes, in the order written, on stdout."""
     from snlp.io.checkpoint import load
     from snlp.io.drafter import save_drafter
     from snlp.method.drafter import make_drafter
@@ -447,13 +448,17 @@ def test_eval_drafter_says_each_file_it_writes_as_the_lm_metrics_do(ckpt, tmp_pa
     path, _ = ckpt
     base, _ = load(path)
     save_drafter(tmp_path / "d", make_drafter(base, "2xF1-h0-K1"))
+    mc = tmp_path / "q.jsonl"
+    mc.write_text(json.dumps({"question": "one", "choices": ["a", "b"], "answer": 0}) + "\n")
     small = ["--seq-len", "16", "--max-tokens", "64", "--no-progress"]
     said = {}
     for mode, flags in (("plans", ["--plans", "2xF1-h0-K1", "--prompts", "1", "--gen-tokens", "2", "--runs", "1",
-                                   "--warmup", "0", "--no-emb"]), ("drafter", ["--drafter", str(tmp_path / "d")])):
+                                   "--warmup", "0", "--no-emb"]), ("drafter", ["--drafter", str(tmp_path / "d")]),
+                       ("task", ["--task", f"mc:{mc}", "--plans", "2xF1-h0-K1", "--no-progress"])):
         files = [tmp_path / f"{mode}.json", tmp_path / f"{mode}.md"]
         capsys.readouterr()
-        assert main(["eval", str(path), *flags, *small, "--json", str(files[0]), "--markdown", str(files[1])]) == 0
+        assert main(["eval", str(path), *flags, *(small if mode != "task" else []), "--json", str(files[0]),
+                     "--markdown", str(files[1])]) == 0, capsys.readouterr().err
         assert all(f.is_file() for f in files)
         said[mode] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("wrote ")]
         assert said[mode] == [f"wrote {f}" for f in files], (mode, said[mode])

@@ -176,3 +176,28 @@ def test_sequential_forward_builds_each_window_mask_once_and_sdpa_gets_no_bool_m
     finally:
         gpt.attend = orig
     assert torch.equal(out, ref)
+
+
+def test_a_loss_over_no_target_is_refused_not_nan():
+    """forward(idx, targets) is the mean CE over the targets that are not -1; with every target -1 it is 0/0, and
+    F.cross_entropy (the reference below) returns NaN without a word, which a loop then stepped on or logged as the
+    loss. Refused in one line where the targets are host memory (no sync); a target outside [0, V) other than -1 is
+    named too (cross_entropy raised an IndexError about 'Target -2'); one real target gives its CE."""
+    model = make_model()
+    idx = tokens(model, B=2, T=6)
+    none = torch.full_like(idx, -1)
+    with torch.no_grad():
+        assert torch.isnan(torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), none.flatten(),
+                                                             ignore_index=-1))
+        with pytest.raises(ValueError, match=r"targets of shape \(2, 6\) are all -1 \(ignored\)"):
+            model(idx, targets=none)
+        for bad in (-2, model.config.vocab_size):
+            y = idx.clone()
+            y[1, 3] = bad
+            with pytest.raises(ValueError, match=rf"targets must be -1 \(ignored\) or lie in \[0, "
+                                                 rf"{model.config.vocab_size}\), got range \[{min(bad, 0)}"):
+                model(idx, targets=y)
+        one = none.clone()
+        one[1, 4] = idx[1, 5]
+        want = -torch.log_softmax(model(idx)[1, 4].double(), -1)[idx[1, 5]]
+        assert abs(float(model(idx, targets=one)) - float(want)) < 1e-5

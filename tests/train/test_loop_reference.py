@@ -203,3 +203,72 @@ def test_an_fp64_ddp_steps_loss_and_gradient_norm_are_the_global_token_means(tmp
     norm = torch.sqrt(sum((p.grad ** 2).sum() for p in m.parameters())).item()
     assert abs(got["loss"] - loss.item()) <= 1e-12 * loss.item(), (got["loss"], loss.item())
     assert abs(got["grad_norm"] - norm) <= 1e-12 * norm, (got["grad_norm"], norm)
+
+
+def test_a_micro_batch_without_targets_is_refused_before_its_step(tmp_path):
+    """A micro-batch whose targets are all -1 has a CE mean of 0/0: the step applied the NaN and the run stopped
+    saying 'training loss became nan ... lower the learning rates', a divergence that never was. Refused in one line
+    naming the micro-batch, before its forward; the step before it trained and was logged."""
+    from snlp.train.pretrain import pretrain_job
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(SHAKESPEARE.read_text()[:30_000])
+    cfg = TrainConfig(out=str(tmp_path / "run"), data=str(corpus), cache_dir=str(tmp_path / "cache"), depth=2, width=32,
+                      head_dim=16, vocab_size=300, seq_len=16, batch_size=2, steps=3, optimizer="adamw", reg="none",
+                      log_every=1, eval_every=100, eval_batches=1, no_progress=True, device="cpu")
+
+    def second_empty(*args):
+        job = pretrain_job(*args)
+        base = job.batch
+        job.batch = lambda micro, r, w: (lambda x, y: (x, torch.full_like(y, -1) if micro == 1 else y))(
+            *base(micro, r, w))
+        return job
+
+    with pytest.raises(ValueError, match=r"micro-batch 1 \(step 2\) has no target to train on") as e:
+        fit(cfg, make_job=second_empty)
+    assert "\n" not in str(e.value)
+    logged = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "loss" in r] == [1]
+
+
+def empty_rank0_job(*args):
+    """fp64_ragged_job with rank 0's targets all -1 (its share of the global targets 0): rank 1 holds all 32."""
+    job = fp64_ragged_job(*args)
+    base = job.batch
+    job.batch = lambda micro, r, w: (lambda x, y: (x, torch.full_like(y, -1) if r == 0 else y))(*base(micro, r, w))
+    return job
+
+
+def _empty_rank0_ddp(rank, world, port, cfg):
+    from conftest import init_gloo
+
+    init_gloo(rank, world, port)
+    fit(cfg, make_job=empty_rank0_job)
+
+
+def test_a_ddp_rank_without_targets_weighs_nothing_and_logs_no_nan(tmp_path):
+    """Under DDP a rank whose micro-batch has no target has share 0 and a CE mean of 0/0 = NaN; its gradient is 0 (the
+    step is right) but its logged CE, NaN x 0, made the step's loss NaN, and the run stopped saying the loss had
+    diverged. Its mean now weighs nothing: step 1's logged loss and gradient norm are the global batch's token mean
+    and its autograd norm (rank 1's targets only), computed in one process in fp64."""
+    from conftest import spawn_ranks
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(SHAKESPEARE.read_text()[:30_000])
+    cfg = TrainConfig(out=str(tmp_path / "run"), data=str(corpus), cache_dir=str(tmp_path / "cache"), depth=2, width=32,
+                      head_dim=16, vocab_size=300, seq_len=16, batch_size=2, grad_accum=1, steps=1, optimizer="adamw",
+                      reg="none", log_every=1, eval_every=100, eval_batches=1, no_progress=True, device="cpu")
+    spawn_ranks(_empty_rank0_ddp, 2, cfg)
+    logged = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    got = next(r for r in logged if r.get("step") == 1 and "loss" in r)
+    tok, tokens = prepare_data(cfg, None, 0, 1)
+    m = GPT(build_config(cfg, tok.vocab_size))
+    m.init_weights(seed=cfg.seed)
+    m = m.double().train()
+    x, y = D.batch_at(tokens.train, 0, cfg.seq_len, cfg.batch_size, cfg.seed, 1, 2)  # rank 1's rows
+    lp = torch.log_softmax(m(x), -1)  # (B, T, V) fp64
+    loss = -lp.gather(-1, y[..., None]).sum() / y.numel()
+    loss.backward()
+    norm = torch.sqrt(sum((p.grad ** 2).sum() for p in m.parameters())).item()
+    assert abs(got["loss"] - loss.item()) <= 1e-12 * loss.item(), (got["loss"], loss.item())
+    assert abs(got["grad_norm"] - norm) <= 1e-12 * norm, (got["grad_norm"], norm)

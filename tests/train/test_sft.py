@@ -948,3 +948,19 @@ def test_sft_grid_refuses_an_fd_eps_its_snlp_forward_run_cannot_take_before_trai
                  "1", "--no-progress", "--device", "cpu"]) == 2
     assert "eps:1e-05 is below the smallest FD step of the compute dtype float32" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("field, value, said", [("max_conversations", True, "--max-conversations must be an integer"),
+                                                ("max_conversations", 2.0, "--max-conversations must be an integer"),
+                                                ("val_frac", True, "--val-frac takes a number, not True")])
+def test_sft_config_refuses_a_bool_as_a_count_or_fraction(field, value, said, tmp_path):
+    """SFTConfig(max_conversations=True) read one conversation (True is the int 1), as TrainConfig's counts did:
+    refused in one line before the checkpoint is read."""
+    from snlp.train.config import TrainConfig
+    from snlp.train.sft import SFTConfig, sft
+
+    cfg = SFTConfig(ckpt=str(tmp_path / "missing"), data=str(tmp_path / "c.jsonl"),
+                    train=TrainConfig(out=str(tmp_path / "o"), steps=1, device="cpu"), **{field: value})
+    with pytest.raises(ValueError, match=said):
+        sft(cfg)
+    assert not (tmp_path / "o").exists()

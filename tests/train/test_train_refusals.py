@@ -4,6 +4,7 @@ shape, the regulariser against it, the frozen prefix) before the tokenizer train
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -203,3 +204,55 @@ def test_a_resume_refusal_names_settings_in_the_flags_terms():
     assert "None" not in said and "-1" not in said
     with pytest.raises(ValueError, match=r"--freeze-prefix 2 \(given: \(not given\)\)"):
         check_resume_settings(TrainConfig(out="x", resume=True), {**saved, "freeze_prefix": 2}, "x", reads_data=False)
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("steps", True, "--steps must be an integer (got True)"),
+    ("batch_size", True, "--batch-size must be an integer (got True)"),
+    ("seq_len", True, "--seq-len must be an integer (got True)"),
+    ("grad_accum", 2.0, "--grad-accum must be an integer (got 2.0)"),
+    ("seed", False, "--seed must be an integer (got False)"),
+    ("depth", np.int64(4), "--depth must be an integer (got np.int64(4), a numpy.int64: pass int(...))"),
+    ("steps", "3", "--steps must be an integer (got '3')"),
+    ("head_dim", 0, "--head-dim must be >= 1 (got 0)"),
+    ("embedding_lr", True, "--embedding-lr takes a number, not True"),
+    ("reg_rows", True, "--reg-rows takes a number, not True"),
+    ("weight_decay", float("nan"), "--weight-decay must be a finite number >= 0 (got nan)"),
+    ("val_frac", 1.5, "--val-frac must lie in (0, 1)"),
+    ("val_frac", float("nan"), "--val-frac must lie in (0, 1)"),
+    ("val_frac", 0.0, "--val-frac must lie in (0, 1)"),
+    ("compile", "no", "compile must be True or False"),
+])
+def test_train_config_refuses_a_bool_or_wrong_type_as_a_count_in_one_line(field, value, said, corpus, tmp_path):
+    """True is an int: TrainConfig(steps=True) trained one step and batch_size=True one row, a float count passed
+    `< 1`, and a --val-frac outside (0, 1) was refused by the split only after every document was read. `fit` refuses
+    each in one line before any work (the rule of AdaptConfig's and Plan's counts); the valid config runs."""
+    from snlp.train.config import TrainConfig
+    from snlp.train.trainer import fit
+
+    cache = tmp_path / "cache"
+    tiny = dict(depth=2, width=32, head_dim=16, vocab_size=300, seq_len=16, batch_size=2, steps=1, eval_batches=1)
+    cfg = TrainConfig(out=str(tmp_path / "run"), data=str(corpus), cache_dir=str(cache), no_progress=True,
+                      device="cpu", **{**tiny, field: value})
+    with pytest.raises(ValueError) as e:
+        fit(cfg)
+    assert said in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert not cache.exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name", ["nanochat-L", "nanochat-mhc"])
+def test_hc_lr_with_a_nanochat_init_from_is_refused_before_any_work(name, corpus, tmp_path, capsys):
+    """check_hc_flags reads the streams of an snlp checkpoint only; a nanochat folder (model_NNNNNN.pt + meta) is
+    left to the loader. No run starts from one: fine-tuning needs the model's tokenizer, which nanochat's folders do
+    not hold, so `--init-from` of one is refused in one line before the data is read or --out made, --hc-lr or not.
+    Should nanochat folders ever load with a tokenizer, --hc-lr needs the check of their streams (meta's use_mhc)."""
+    src = Path(__file__).resolve().parents[1] / "data" / "nanochat" / name
+    out, cache = tmp_path / "ft", tmp_path / "cache"
+    capsys.readouterr()
+    for extra in ([], ["--hc-lr", "0.1"]):
+        assert main(["train", "--init-from", str(src), "--data", str(corpus), "--cache-dir", str(cache), "--out",
+                     str(out), "--seq-len", "16", "--batch-size", "2", "--steps", "1", "--no-progress", "--device",
+                     "cpu", *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "has no tokenizer.json" in err, err
+        assert not out.exists() and not cache.exists()

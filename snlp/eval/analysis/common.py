@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from snlp.runtime.checks import check_bools, count_error, number_error
 from snlp.runtime.fmt import DIVERGED, PPL_SCI, sci
 from snlp.eval.metrics import perplexity
 from snlp.eval.protocol import EvalConfig
@@ -23,6 +24,12 @@ from snlp.runtime.device import progress_bar
 SECTIONS = ("jacobian", "ordering", "propagation", "early-exit", "elk", "preheat", "jacobi")
 # the sections that read validation windows of seq_len tokens (jacobi decodes its own prompts of jacobi_prompt_len)
 WINDOWED = ("jacobian", "ordering", "propagation", "early-exit", "elk", "preheat")
+# the integer settings (scalars, and tuples of them); `check` refuses a bool or another type before their ranges:
+# True is an int, so seq_len=True read windows of one token and batch=True ran one window per forward
+COUNTS = ("seq_len", "max_tokens", "batch", "jac_suffix", "jac_windows", "power_iters", "probes", "shuffles", "prop_suffix",
+          "prop_tokens", "elk_suffix", "preheat_rank", "jacobi_prompts", "jacobi_prompt_len", "jacobi_tokens",
+          "jacobi_window", "seed")
+COUNT_TUPLES = ("layers", "suffixes", "ordering_iters", "elk_chunks")
 DIV = DIVERGED  # snlp.runtime.fmt's word for a non-finite PPL, the same in every table the project writes
 
 
@@ -57,6 +64,20 @@ class AnalysisConfig:
     progress: bool = True
 
     def check(self, n_layer: int) -> None:
+        if isinstance(self.only, str):  # a str is a tuple of its letters: named as such, not as 8 unknown sections
+            raise ValueError(f"only must be a tuple of section names, not the string {self.only!r} (e.g. "
+                             f"only=({self.only!r},))")
+        for name in COUNTS:
+            if err := count_error(name, getattr(self, name)):
+                raise ValueError(f"analysis setting {err}")
+        for name in COUNT_TUPLES:
+            for v in getattr(self, name) or ():
+                if err := count_error(f"each of {name}", v):
+                    raise ValueError(f"analysis setting {err}")
+        for v in self.elk_values:
+            if err := number_error("each ELK value", v):
+                raise ValueError(err)
+        check_bools(progress=self.progress)
         bad = [s for s in self.only if s not in SECTIONS]
         if bad:
             raise ValueError(f"unknown analysis section(s) {bad}: valid sections are {', '.join(SECTIONS)}")
@@ -64,10 +85,11 @@ class AnalysisConfig:
                                                    "power_iters", "probes", "prop_suffix", "prop_tokens", "elk_suffix",
                                                    "jacobi_prompts", "jacobi_prompt_len", "jacobi_tokens",
                                                    "jacobi_window", "preheat_rank") if getattr(self, k) < 1]
-        if self.shuffles < 0:
-            low.append(f"shuffles={self.shuffles}")
+        low += [f"{k}={getattr(self, k)}" for k in ("shuffles", "seed") if getattr(self, k) < 0]
+        low += [f"{k}={list(getattr(self, k))}" for k in ("ordering_iters", "elk_chunks")
+                if min(getattr(self, k), default=0) < 0]
         if low:
-            raise ValueError(f"analysis settings out of range: {', '.join(low)} (shuffles >= 0, the others >= 1)")
+            raise ValueError(f"analysis settings out of range: {', '.join(low)} (shuffles, seed, ordering_iters and elk_chunks >= 0, the others >= 1)")
         if self.layers is not None and not all(0 <= l < n_layer for l in self.layers):
             raise ValueError(f"--layers must lie in 0..{n_layer - 1} (got {list(self.layers)})")
         if self.suffixes is not None and not all(1 <= n <= n_layer for n in self.suffixes):
