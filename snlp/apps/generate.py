@@ -464,11 +464,12 @@ def run(args) -> int:
 
     check_source(args.ckpt, "checkpoint", hub=False)  # one line, with the closest names
     check_plans_fit(args.ckpt, [args.plan])  # before the weights load
+    model, tok = load(args.ckpt, device="cpu", need_tokenizer="save it with one to use `snlp generate`")
     if args.prompts_file is None and not args.prompt and not args.chat:  # legal (unconditional), but say so; a blank
-        #               prompt is not empty: its whitespace tokens condition (after BOS where Tokenizer.prompt_ids adds one)
+        #               prompt is not empty: its whitespace tokens condition (after BOS where Tokenizer.prompt_ids adds one).
+        #               After the load, which refuses a checkpoint without a tokenizer: nothing is generated then
         print("snlp generate: the prompt is empty: generating from the tokenizer's BOS alone (give --prompt TEXT to "
               "continue a text)", file=sys.stderr)
-    model, tok = load(args.ckpt, device="cpu", need_tokenizer="save it with one to use `snlp generate`")
     model = model.to(device).eval()
     if args.eos_id is not None:  # its range needs the model's vocabulary: here, before the prompt is echoed
         from snlp.decode.session import stop_set

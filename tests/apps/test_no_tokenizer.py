@@ -3,6 +3,8 @@ load was spent on a run that could not start)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import make_model
@@ -77,3 +79,14 @@ def test_eval_harness_refuses_a_checkpoint_without_a_tokenizer_before_its_weight
     assert main(["eval", str(bare), "--harness", "arc_easy", "--harness-out", str(tmp_path / "h")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "has no tokenizer.json: the harness sends text" in err[-1] and reads == []
+
+
+@pytest.mark.parametrize("which", ["snlp", "nanochat"])
+def test_generate_without_a_prompt_on_a_checkpoint_without_a_tokenizer_says_only_the_refusal(bare, capsys, which):
+    """`snlp generate CKPT` without --prompt on a checkpoint without tokenizer.json (an snlp one saved without it, or
+    a nanochat checkpoint, whose tokenizer is not converted) printed "the prompt is empty: generating from the
+    tokenizer's BOS alone" and then refused for want of that tokenizer: nothing was generated. Only the refusal."""
+    ckpt = bare if which == "snlp" else Path(__file__).resolve().parents[1] / "data" / "nanochat" / "nanochat-L"
+    assert main(["generate", str(ckpt), "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has no tokenizer.json" in err[0] and err[0].endswith("to use `snlp generate`"), err
