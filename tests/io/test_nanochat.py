@@ -19,13 +19,13 @@ import snlp
 from snlp import parallel_forward, sequential_generate, snlp_generate, solve, speculative_generate
 from snlp.apps.cli import main as cli_main
 from snlp.io.checkpoint import checkpoint_depth
-from snlp.io.nanochat import VERSIONS, is_nanochat_dir, load_nanochat, nanochat_versions
+from snlp.io.nanochat import VERSIONS, is_nanochat_dir, load_nanochat, nanochat_stored_dtype, nanochat_versions
 from snlp.model.cache import KVCache
 from snlp.train.config import TrainConfig
 from snlp.train.optim import build_optimizers
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "nanochat"
-NAMES = ("nanochat-sw", "nanochat-L", "nanochat-mhc")
+NAMES = ("nanochat-sw", "nanochat-L", "nanochat-mhc", "nanochat-mix", "nanochat-mhc3")
 ATOL = 2e-5  # fp32 logits of order 5: round-off of two implementations of the same function
 
 
@@ -235,6 +235,42 @@ def test_hcn_solve_gives_the_paper_codes_plan_logits(plan, key):
     r = ref("nanochat-mhc")
     with torch.no_grad():
         torch.testing.assert_close(parallel_forward(model, r["idx"], plan), r[key], rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("name,plan,key", [("nanochat-mix", "3xF1-h0-K1-causal", "idn_S2_K1"),
+                                           ("nanochat-mix", "5xF1-h0-K3-causal", "idn_S0_K3"),
+                                           ("nanochat-mhc3", "4xF1-h0-K2-hcn-causal", "hcn_S1_K2"),
+                                           ("nanochat-mhc3", "5xF1-h0-K1-hcn-causal", "hcn_S0_K1")])
+def test_causal_plans_give_the_paper_codes_solve_where_the_windows_bite(name, plan, key):
+    """The paper's per-layer solves (forward_idn_batched, forward_hcn_batched) run the batched suffix with
+    is_causal=True, the windows dropped, the prefix keeping them: on inputs the windows cut (140 tokens; "L" = 64 and
+    "S" = 128 in nanochat-mix, "L" = 32 and "S" = 128 in nanochat-mhc3) they equal snlp's `causal` plans, which name
+    that approximation, and not the plans without it (the windowed model's solve), at the last 40 positions."""
+    model, _ = snlp.load(DATA / name)
+    r = ref(name)
+    with torch.no_grad():
+        torch.testing.assert_close(parallel_forward(model, r["idx"], plan)[:, -40:], r[key], rtol=0, atol=ATOL)
+        windowed = parallel_forward(model, r["idx"], plan.removesuffix("-causal"))[:, -40:]
+    assert (windowed - r[key]).abs().max() > 100 * ATOL
+
+
+@pytest.mark.parametrize("name", ["nanochat-mix", "nanochat-mhc3"])
+def test_kv_cached_decode_gives_the_paper_engines_logits(name):
+    """The paper's KV-cached path (its engine's KVCache: a prefill of 100 tokens, then one token per call, SDPA with
+    the window masks past the "L" window of 64 / 32 and the wider "S" window of 128) and snlp's KVCache give the same
+    logits at every step, for a batch of 2; nanochat-mix is stored as the paper's GPU runs store it (bf16
+    embeddings, fp32 rest), whose dtype transformers' dtype="auto" reads off the first tensor (fp32)."""
+    model, _ = snlp.load(DATA / name)
+    r = ref(name)
+    idx = r["idx"]
+    with torch.no_grad():
+        cache = KVCache.for_model(model, batch=2, max_len=idx.shape[1])
+        steps = [model(idx[:, :100], cache=cache)[:, -1:]]
+        steps += [model(idx[:, t:t + 1], cache=cache) for t in range(100, idx.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, 1), r["kv_P100"], rtol=0, atol=ATOL)
+    stored = {v.dtype for v in torch.load(DATA / name / "model_000000.pt").values()}
+    assert stored == ({torch.bfloat16, torch.float32} if name == "nanochat-mix" else {torch.float32})
+    assert nanochat_stored_dtype(DATA / name) == torch.float32
 
 
 def test_convert_writes_an_snlp_checkpoint_with_the_same_logits(tmp_path, capsys):
