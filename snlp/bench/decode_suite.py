@@ -350,6 +350,7 @@ def load_model(src: str | None, quick: bool, seed: int = 0):
                          f"acceptance rates and prompt-lookup hits mean nothing)")
     from snlp.io.checkpoint import is_snlp_checkpoint, load
     from snlp.io.hf import bundled_smollm2, from_hf
+    from snlp.io.nanochat import is_nanochat_dir
 
     if src == "smollm2":
         path = bundled_smollm2()
@@ -360,6 +361,10 @@ def load_model(src: str | None, quick: bool, seed: int = 0):
     if is_snlp_checkpoint(src):
         model, tok = load(src, device="cpu")
         return model.float().eval(), tok, f"snlp checkpoint {src}"
+    if is_nanochat_dir(home_path(src)):  # `load` reads it (snlp.io.nanochat), as it does for plain `snlp bench --ckpt`;
+        #                                  from_hf would call it a transformers folder without config.json
+        model, _ = load(src, device="cpu")
+        return model.eval(), None, f"nanochat checkpoint {src}"
     model, tok = from_hf(src, dtype=torch.float32)
     return model.eval(), tok, f"transformers model {src}"
 

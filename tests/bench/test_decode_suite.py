@@ -10,11 +10,13 @@ import json
 import math
 import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import argmax_loop
 
+import snlp
 from snlp.apps.cli import main
 from snlp.bench.decode_suite import DecodeSuiteConfig, markdown, random_llama, run_decode_suite
 from snlp.bench.ssd_prediction import paper_shape_prediction
@@ -95,6 +97,26 @@ def test_a_model_transformers_cannot_hold_is_decoded_by_snlp_and_its_hf_rows_say
     assert snlp_rows["snlp speculative"].matches_sequential
     assert snlp_rows["snlp snlp"].exact and snlp_rows["snlp snlp"].matches_sequential  # K = C, M = 1: exact
     assert res.reference == [argmax_loop(model.eval(), p, 4) for p in res.prompts]
+
+
+def test_a_nanochat_checkpoint_folder_is_decoded_as_snlp_load_reads_it(tmp_path, capsys):
+    """--ckpt a nanochat / nanochat-snlp folder (model_NNNNNN.pt + meta_NNNNNN.json), which plain `snlp bench --ckpt`
+    takes, was sent to transformers' loader and refused as "a transformers model directory" without config.json. It is
+    read by snlp.load: its exact rows equal the full-prefix argmax loop of that model (the paper's checkpoint with
+    windows, smear, backout and value embeddings; a K = C, M = 1 plan is exact), and transformers' rows say why they
+    cannot run it."""
+    ckpt = Path(__file__).resolve().parents[1] / "data" / "nanochat" / "nanochat-sw"
+    res = run_decode_suite(DecodeSuiteConfig(ckpt=str(ckpt), quick=True, device="cpu", batch_sizes=(1,), new_tokens=4,
+                                             rounds=1, warmup=0, plans=("6xF1-h0-K6",)))
+    model, _ = snlp.load(ckpt)
+    assert res.reference == [argmax_loop(model, p, 4) for p in res.prompts]
+    rows = {r.method: r for r in res.rows if r.library == "snlp"}
+    assert rows["snlp snlp"].exact and rows["snlp snlp"].matches_sequential
+    assert rows["snlp speculative"].matches_sequential
+    assert all("transformers cannot hold this model" in r.skipped for r in res.rows if r.library == "transformers")
+    assert main(["bench", "--suite", "decode", "--ckpt", str(ckpt), "--quick", "--suite-new-tokens", "2",
+                 "--batch-sizes", "1", "--out", str(tmp_path / "ds")]) == 0
+    assert "nanochat checkpoint" in capsys.readouterr().out
 
 
 def test_prediction_is_the_hand_count_of_its_measured_step_times():
