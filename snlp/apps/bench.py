@@ -473,6 +473,12 @@ def run(args) -> int:
     if args.tokens < 1 or args.batch < 1 or args.runs < 1 or args.warmup < 0:
         raise ValueError("--tokens, --batch and --runs must be >= 1 and --warmup >= 0")
     written = check_plans_grammar(args.plans)  # before the model is built (checked against its depth below)
+    preheat = [str(p) for p in written if p.init == "preheat"]
+    if preheat:  # the forward / decode benchmarks bind plans without a calibration: the solve would refuse them after
+        #          the model is built, asking for the `snlp calibrate` a checkpoint may already have had
+        raise ValueError(f"{', '.join(preheat)}: snlp bench times plans without a preheat calibration (it reads no "
+                         f"preheat.pt{', ' + str(args.ckpt) + '/preheat.pt included' if args.ckpt else ''}): give "
+                         f"these plans the h0 or fwd init")
     # a checkpoint's depth is in its config: before its weights load. A forward's sequences hold --tokens tokens; a
     # decode's at most --prompt-len + --new-tokens (a kept token's query sits below that position; a batch's prompts
     # are at most --prompt-len long), each >= 1 or decode_benchmark refuses them

@@ -181,3 +181,26 @@ def test_bench_decode_applies_the_repetition_penalty_to_every_row(tmp_path, caps
     assert "--repetition-penalty must be a finite number > 0" in capsys.readouterr().err
     assert main(["bench", *TINY, "--repetition-penalty", "1.3"]) == 2
     assert "--repetition-penalty is not read by `snlp bench`" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_a_preheat_plan_is_refused_before_the_model_is_built(tmp_path, monkeypatch, capsys, decode):
+    """The forward and decode benchmarks bind their plans without a calibration: a -preheat- plan reached the solve
+    after the model was built and was refused there, asking for `snlp calibrate CKPT` then load_preheat, also for a
+    --ckpt that `snlp calibrate` had given its preheat.pt (here a nanochat checkpoint, which only `snlp bench` takes).
+    It is refused in one line before any model is built, naming the plan."""
+    import shutil
+    from pathlib import Path
+
+    import snlp.bench.forward as forward
+
+    ckpt = tmp_path / "nc"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "data" / "nanochat" / "nanochat-L", ckpt)
+    assert main(["calibrate", str(ckpt), "--rank", "4", "--batch", "2", "--seq-len", "16"]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(forward, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+    extra = ["--decode", "--new-tokens", "2"] if decode else []
+    for argv in (["--ckpt", str(ckpt)], TINY):
+        assert main(["bench", *argv, *extra, "--plans", "2xF1-h0-K1,3xF1-preheat-K1"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "3xF1-preheat-K1: snlp bench times plans without a preheat calibration" in err[0]
