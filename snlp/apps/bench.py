@@ -473,12 +473,7 @@ def run(args) -> int:
     if args.tokens < 1 or args.batch < 1 or args.runs < 1 or args.warmup < 0:
         raise ValueError("--tokens, --batch and --runs must be >= 1 and --warmup >= 0")
     written = check_plans_grammar(args.plans)  # before the model is built (checked against its depth below)
-    preheat = [str(p) for p in written if p.init == "preheat"]
-    if preheat:  # the forward / decode benchmarks bind plans without a calibration: the solve would refuse them after
-        #          the model is built, asking for the `snlp calibrate` a checkpoint may already have had
-        raise ValueError(f"{', '.join(preheat)}: snlp bench times plans without a preheat calibration (it reads no "
-                         f"preheat.pt{', ' + str(args.ckpt) + '/preheat.pt included' if args.ckpt else ''}): give "
-                         f"these plans the h0 or fwd init")
+    refuse_preheat(written, args.ckpt)
     # a checkpoint's depth is in its config: before its weights load. A forward's sequences hold --tokens tokens; a
     # decode's at most --prompt-len + --new-tokens (a kept token's query sits below that position; a batch's prompts
     # are at most --prompt-len long), each >= 1 or decode_benchmark refuses them
@@ -510,6 +505,17 @@ def run(args) -> int:
     load.say()
     write_records(rows, args.json, args.csv, load=load.to_json())
     return 0
+
+
+def refuse_preheat(plans, ckpt) -> None:
+    """The forward and decode benchmarks and the decode suite bind `plans` (Plans) without a calibration: a -preheat-
+    plan is refused here, before any model is built (the solve refused it after the load, asking for the `snlp
+    calibrate` a checkpoint may already have had)."""
+    preheat = [str(p) for p in plans if p.init == "preheat"]
+    if preheat:
+        raise ValueError(f"{', '.join(preheat)}: snlp bench times plans without a preheat calibration (it reads no "
+                         f"preheat.pt{', ' + str(ckpt) + '/preheat.pt included' if ckpt else ''}): give these plans "
+                         f"the h0 or fwd init")
 
 
 def print_table(rows: list[ForwardRow], title: str) -> None:
@@ -826,8 +832,9 @@ def run_decode_suite_cli(args, command: str) -> int:
     blocks = _ints(args.blocks, "--blocks")
     # read as --plans is (parse_plans): a K past the plan's exact count is capped to it with a warning (it changes
     # no token and only costs time), a plan named twice is refused; the depth is checked once the model is known
-    plans = None if args.suite_plans is None else tuple(str(p) for p in parse_plans(args.suite_plans,
-                                                                                     flag="--suite-plans"))
+    parsed = None if args.suite_plans is None else parse_plans(args.suite_plans, flag="--suite-plans")
+    refuse_preheat(parsed or (), args.ckpt)
+    plans = None if parsed is None else tuple(str(p) for p in parsed)
     if args.shapes:
         if args.ckpt or args.drafter:
             raise ValueError("--suite decode --shapes times random weights at the paper's shapes; drop --ckpt and "
@@ -848,7 +855,6 @@ def run_decode_suite_cli(args, command: str) -> int:
             raise ValueError(f"--alpha must be comma-separated numbers in [0, 1], got {args.alpha!r}") from None
         from snlp.apps.common import warn_causal_idle
         from snlp.bench.ssd_prediction import SHAPE_KEYS, shape_config
-        from snlp.method.plan import Plan
 
         unknown = [s for s in split(args.shapes) if s not in SHAPE_KEYS]
         if unknown:  # before any shape is timed: a later unknown one ended the run after the earlier ones' timings

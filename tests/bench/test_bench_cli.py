@@ -204,3 +204,22 @@ def test_a_preheat_plan_is_refused_before_the_model_is_built(tmp_path, monkeypat
         assert main(["bench", *argv, *extra, "--plans", "2xF1-h0-K1,3xF1-preheat-K1"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "3xF1-preheat-K1: snlp bench times plans without a preheat calibration" in err[0]
+
+
+def test_the_decode_suite_refuses_a_preheat_plan_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """--suite decode --suite-plans with a -preheat- plan loaded the checkpoint (its calibration beside it) and then
+    failed in the solve asking for `snlp calibrate`: refused in one line before the load, as the other benchmarks."""
+    import shutil
+    from pathlib import Path
+
+    import snlp.bench.decode_suite as suite
+
+    ckpt = tmp_path / "nc"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "data" / "nanochat" / "nanochat-L", ckpt)
+    assert main(["calibrate", str(ckpt), "--rank", "4", "--batch", "2", "--seq-len", "16"]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(suite, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["bench", "--suite", "decode", "--ckpt", str(ckpt), "--quick", "--out", str(tmp_path / "ds"),
+                 "--suite-plans", "3xF1-preheat-K1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "3xF1-preheat-K1: snlp bench times plans without a preheat calibration" in err[0], err
