@@ -811,7 +811,7 @@ def run_decode_suite_cli(args, command: str) -> int:
     from snlp.bench.decode_suite import DecodeSuiteConfig, markdown, progress_line, run_decode_suite, suite_source
     from snlp.bench.ssd_prediction import paper_shape_prediction, prediction_markdown
     from snlp.bench.records import write_csv, write_json
-    from snlp.method.plan import parse_plans
+    from snlp.method.plan import Plan, parse_plans
     from snlp.runtime.device import write_atomic
 
     refused = [flag for flag, used in (
