@@ -321,7 +321,9 @@ class GPT(nn.Module):
                              f"-1 where ignored), got {tuple(targets.shape)}")
         # the loss is the mean over the targets that are not -1: with none it is 0/0, a NaN that F.cross_entropy
         # returns without a word (a training loop stepped on it or logged it as the loss). Read only where the
-        # targets sit in host memory, as check_tokens reads the ids: elsewhere it would be a sync on every forward
+        # targets sit in host memory, as check_tokens reads the ids: elsewhere it would be a sync on every forward.
+        # Read as long, as the loss reads them: a uint8 255 compares equal to -1 (the scalar wraps) yet is class 255
+        targets = targets.long()
         if targets.device.type == "cpu" and not torch.compiler.is_compiling() and targets.numel():
             real = targets[targets != -1]
             if real.numel() == 0:
@@ -331,7 +333,7 @@ class GPT(nn.Module):
             if lo < 0 or hi >= self.config.vocab_size:
                 raise ValueError(f"targets must be -1 (ignored) or lie in [0, {self.config.vocab_size}), got "
                                  f"range [{lo}, {hi}]")
-        return targets.long()
+        return targets
 
     def rotary(self, T: int, start: int | Tensor = 0) -> tuple[Tensor, Tensor]:
         """RoPE tables for positions start..start+T-1 (or the (T,) positions tensor `start`), (T, 1, hd/2);

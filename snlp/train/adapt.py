@@ -656,10 +656,13 @@ def adapt(cfg: AdaptConfig, hooks: TrainHooks | None = None, base: tuple | None 
     uses a copy on cfg.device when it lives elsewhere), and its requires_grad flags and train/eval mode are as
     before when this returns. Under torchrun the gradients are all-reduced and rank 0 alone writes."""
     plan = cfg.check()
-    if not cfg.from_model:  # a diag:fd eps the student's step cannot take (its --dtype, bf16 under CUDA autocast):
-        # before the base loads and --out is made (the student's first solve refused it after the data was read)
+    if not cfg.from_model:  # a diag:fd eps the student's step cannot take (the base's dtype, bf16 under CUDA
+        # autocast): before the base loads and --out is made (the student's first solve refused it after the data was
+        # read). A caller's `base` keeps its own dtype (the run moves it, never casts it); a loaded one takes --dtype
         device = cli_device(cfg.device) if cfg.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        check_fd_step(plan, step_dtype(device, getattr(torch, cfg.dtype)), device.type)
+        given = base is not None and isinstance(base[0], GPT)
+        weights = base[0].wte.weight.dtype if given else getattr(torch, cfg.dtype)
+        check_fd_step(plan, step_dtype(device, weights), device.type)
     # local paths absolute: the drafter's record (and eval's held-out split) then names the same data from any cwd
     cfg = replace(cfg, src=chat.local_path(cfg.src), data=chat.resolve_spec(cfg.data),
                   from_model=chat.local_path(cfg.from_model), init_drafter=chat.local_path(cfg.init_drafter),

@@ -201,3 +201,21 @@ def test_a_loss_over_no_target_is_refused_not_nan():
         one[1, 4] = idx[1, 5]
         want = -torch.log_softmax(model(idx)[1, 4].double(), -1)[idx[1, 5]]
         assert abs(float(model(idx, targets=one)) - float(want)) < 1e-5
+
+
+def test_uint8_targets_are_read_as_the_loss_reads_them():
+    """uint8 targets (an integer dtype forward takes) are classes 0..255 to the loss, which reads them as long; the
+    target check compared them with -1, which a uint8 tensor holds as 255: targets all 255 were refused as 'all -1'
+    on a 300-token vocabulary, where 255 is a token, and a 255 past a smaller vocabulary escaped the range check to
+    fail inside cross_entropy. Reference: the CE of the same targets as long, and a naive log-softmax in fp64."""
+    model = make_model(vocab_size=300)
+    idx = tokens(model, B=2, T=5)
+    y8 = torch.full_like(idx, 255, dtype=torch.uint8)
+    with torch.no_grad():
+        got = float(model(idx, targets=y8))
+        assert got == float(model(idx, targets=y8.long()))
+        want = -torch.log_softmax(model(idx).double(), -1)[..., 255].mean()
+        assert abs(got - float(want)) < 1e-9
+        small = make_model(vocab_size=61)
+        with pytest.raises(ValueError, match=r"lie in \[0, 61\), got range \[3, 255\]"):
+            small(idx % 61, targets=torch.tensor([[3] * 5, [255] * 5], dtype=torch.uint8))

@@ -450,3 +450,27 @@ def test_the_logs_train_rows_name_the_kl_and_the_mse_not_a_regulariser(tmp_path)
     kl, mse, n = naive_terms(held, x, None, 1.5)
     assert n == x.numel()
     assert abs(rows[0]["loss"] - kl) < 1e-5 * kl and abs(rows[0]["mse"] - mse) < 1e-5 * mse, (rows[0], kl, mse)
+
+
+def test_a_callers_base_has_its_fd_eps_checked_in_its_own_dtype(tmp_path):
+    """adapt(cfg, base=(model, tok)) trains the drafter in the caller's model's dtype (the run moves a base, never casts
+    it), so a diag:fd eps is checked against that dtype, not against cfg.dtype (float32 unless given). An fp64 base
+    takes eps:1e-5 (fp64's FD step floor is 1.5e-8; the run's solve takes it): the pre-run check read float32's
+    floor (3.45e-4) and refused it. A bf16 base on the CPU cannot take eps:0.01 (bf16's floor, 0.088): refused
+    before --out is made, where the float32 check passed it to the student's first solve."""
+    from snlp.method.plan import Plan
+    from snlp.method.solver import solve
+    from snlp.train.adapt import adapt
+
+    plan = "2xF1-h0-K1-diag-eps:1e-5"
+    cfg = adapt_cfg(tmp_path, plan=plan, kv="own", steps=1, eval_every=50, eval_batches=1, device="cpu")
+    base, tok = load(tmp_path / "base", dtype=torch.float64)
+    solve(base, torch.tensor([[1, 2, 3]]), Plan.parse(plan))  # the fp64 model's own solve takes the step
+    res = adapt(cfg, base=(base, tok))
+    assert res.steps == 1 and (tmp_path / "d" / "drafter.json").is_file()
+    out = tmp_path / "d16"
+    cfg16 = adapt_cfg(tmp_path, out="d16", plan="2xF1-h0-K1-diag-eps:0.01", kv="own", steps=1, eval_every=50,
+                      eval_batches=1, device="cpu")
+    with pytest.raises(ValueError, match=r"eps:0.01 is below the smallest FD step of the compute dtype bfloat16"):
+        adapt(cfg16, base=(load(tmp_path / "base", dtype=torch.bfloat16)[0], tok))
+    assert not out.exists()
