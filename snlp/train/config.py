@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from snlp.io.chat import resolve_spec
-from snlp.io.data import files_signature, is_local, missing_parts, parts
+from snlp.io.data import check_val_frac, files_signature, is_local, missing_parts, parts
 from snlp.io.source import home_path
 from snlp.train.regularizer import check_rows
 from snlp.train.validate import ValidationResult
@@ -102,6 +102,7 @@ class TrainConfig:
             raise ValueError(f"--stop-after must be >= 0 (got {self.stop_after})")
         if self.minutes is not None and not (math.isfinite(self.minutes) and self.minutes > 0):  # nan: `<= 0` False
             raise ValueError(f"--minutes must be a finite number > 0 (got {self.minutes})")  # inf: no LR schedule
+        check_val_frac(self.val_frac)  # the split's own refusal came after the tokenizer and the data
         if not 0 <= self.warmdown <= 1:
             raise ValueError(f"--warmdown must lie in [0, 1] (got {self.warmdown})")
         if self.hc_streams < 0:
