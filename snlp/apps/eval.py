@@ -165,8 +165,10 @@ def mode_flags(args) -> None:
     if args.max_chars is not None and args.max_chars < 0:  # a negative cap stopped after the first document: the
         # split then said "the data source has only one document"
         raise ValueError(f"--max-chars must be >= 0 (0: all; got {args.max_chars})")
-    if args.val_frac is not None and not 0 < args.val_frac < 1:  # refused by the split too, after the model loaded
-        raise ValueError(f"--val-frac must lie in (0, 1), got {args.val_frac}")
+    if args.val_frac is not None:  # refused by the split too, after the model loaded
+        from snlp.io.data import check_val_frac
+
+        check_val_frac(args.val_frac)
     if args.seq_len is not None and args.seq_len < 1:  # 0 read as "the default" (an `or`), a negative one late
         raise ValueError(f"--seq-len must be >= 1 (got {args.seq_len}; leave it out for min(256, the model's "
                          f"sequence_len))")

@@ -375,6 +375,13 @@ def argparse_copy(args, **kw):
     return new
 
 
+def method_label(plan, drafter) -> str:
+    """What decoded, for the summary line: " PLAN", and ", drafter DIR" where an adapted drafter drafted (speculative)
+    or decoded alone (snlp mode: its approximation of the model, not the plan's), which the plan alone reads as the
+    model's own post-hoc plan; "" for the model alone."""
+    return (f" {plan}" if plan else "") + (f", drafter {drafter}" if drafter else "")
+
+
 def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
     """--prompts-file: every prompt decoded (in batches of --batch-size), printed and recorded in order."""
     import torch
@@ -394,7 +401,8 @@ def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
     window = begin_timing(threads, device, remedy=None) if timed else None  # generate has no --threads
     res, wall = decode_batches(args, model, prompts, plan, preheat, eos_id, drafter=drafter)
     total = sum(len(r.tokens) for r in res)
-    record = {"mode": args.mode, "plan": None if plan is None else str(plan), "batch_size": args.batch_size,
+    record = {"mode": args.mode, "plan": None if plan is None else str(plan), "drafter": args.drafter,
+              "batch_size": args.batch_size,
               "prompts": len(prompts), "tokens": total, "decode_s": wall, "tokens_per_s": total / wall if wall else None,
               "sampling": sampling_record(args),  # row i drew with seed + i (decode_batches)
               "results": [{"prompt": t, "tokens": r.tokens, "text": tok.decode(r.tokens, mark_missing=True),
@@ -404,7 +412,8 @@ def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
     for i, (t, r) in enumerate(zip(texts, res)):
         if not args.quiet:
             print(f"[{i}] {t}{tok.decode(r.tokens, mark_missing=True)}")
-    stats = f"[{args.mode}{' ' + str(plan) if plan else ''}] {len(prompts)} prompts in batches of {args.batch_size}: " \
+    stats = f"[{args.mode}{method_label(plan, args.drafter)}] {len(prompts)} prompts in batches of " \
+            f"{args.batch_size}: " \
             f"{total} tokens, {record['tokens_per_s']:.1f} tok/s"
     if args.mode == "speculative":
         acc, exam = sum(r.accepted for r in res), sum(r.examined for r in res)
@@ -517,13 +526,13 @@ def run(args) -> int:
         stream.flush_head()
         sys.stdout.write("\n")
     timed = res.mode == "speculative" and not args.no_baseline  # warm, repeated timings follow on the line
-    stats = f"[{res.mode}{' ' + res.plan if res.plan else ''}] {len(res.tokens)} tokens, " \
+    stats = f"[{res.mode}{method_label(res.plan, args.drafter)}] {len(res.tokens)} tokens, " \
             f"{res.tokens_per_s:.1f} tok/s{' in this one run' if timed else ''}, stop: {res.stop}"
     if args.compile:
         stats += f", compiled in {res.compile_s:.1f} s (before timing, not in tok/s)"
     record = {"tokens": res.tokens, "text": tok.decode(res.tokens, mark_missing=True),
               "sampling": sampling_record(args),  # what repeats the draws: temperature, filters, seed, penalty
-              **{k: v for k, v in res.to_dict().items() if k != "tokens"}}
+              **{k: v for k, v in res.to_dict().items() if k != "tokens"}, "drafter": args.drafter}
     if res.mode in ("speculative", "jacobi"):
         from snlp.apps.common import NO_DRAFTS
 

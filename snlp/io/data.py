@@ -316,6 +316,15 @@ def split_key(spec: str | None, text_field: str = "text", max_chars: int = 0, va
     return source_key(spec, text_field, max_chars, encoding) + f"-v{round(val_frac, 6)}"
 
 
+def check_val_frac(val_frac) -> None:
+    """Refuse, in one line, a validation fraction the split cannot hold out: it takes every round(1 / val_frac)-th
+    document (validation_every), so every other one at most; above 0.5 it held out half and the run recorded and
+    printed the fraction given."""
+    if isinstance(val_frac, bool) or not isinstance(val_frac, (int, float)) or not 0 < val_frac <= 0.5:
+        raise ValueError(f"--val-frac must lie in (0, 0.5] (every round(1 / f)-th document is held out, every other "
+                         f"one at most), got {val_frac}")
+
+
 def validation_every(val_frac: float) -> int:
     """split_documents' stride: every this-many-th document is validation."""
     return max(2, round(1 / val_frac))
@@ -328,8 +337,7 @@ def split_documents(docs: list[str], val_frac: float) -> tuple[list[str], list[s
     if len(docs) < 2:
         raise ValueError("the data source has only one document: need at least 2 for a train/val split "
                          "(plain text is cut at blank lines into ~4 KB documents; add more text)")
-    if not 0 < val_frac < 1:
-        raise ValueError(f"--val-frac must lie in (0, 1), got {val_frac}")
+    check_val_frac(val_frac)
     every = validation_every(val_frac)
     val = [d for i, d in enumerate(docs) if i % every == every - 1]
     train = [d for i, d in enumerate(docs) if i % every != every - 1]

@@ -15,8 +15,8 @@ import contextlib
 import dataclasses
 import os
 import re
+import secrets
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -690,7 +690,10 @@ def export_hf(model: GPT, out, tokenizer: Tokenizer | None = None, overwrite: bo
     for key, value in (config_extra or {}).items():
         setattr(hf_model.config, key, value)
     out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    # os.mkdir, not tempfile.mkdtemp: mkdtemp's folder is 0700 whatever the umask, and renamed into `out` it left the
+    # export unreadable to other users; save_pretrained's own folder takes the umask's mode, as this one does
+    stage = out.parent / f".{out.name}.{secrets.token_hex(8)}.partial"
+    stage.mkdir()
     try:
         hf_model.save_pretrained(str(stage))
         if tokenizer is not None:

@@ -162,6 +162,7 @@ class AdaptConfig:
         if self.save_every is not None and self.save_every < 0:  # the loop's step % N would save every step
             raise ValueError(f"--save-every must be >= 0 (N > 0: every N steps, 0: at the end only; got "
                              f"{self.save_every})")
+        D.check_val_frac(self.val_frac)  # the split's own refusal came after the base loaded
         if self.kv not in KV_MODES:
             raise ValueError(f"--kv must be one of {', '.join(KV_MODES)} (got {self.kv!r})")
         if self.kv == "exact":

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from snlp.io.chat import resolve_spec
-from snlp.io.data import files_signature, is_local, missing_parts, parts
+from snlp.io.data import check_val_frac, files_signature, is_local, missing_parts, parts
 from snlp.io.source import home_path
 from snlp.runtime.checks import check_bools, count_error, number_error
 from snlp.train.regularizer import check_rows
@@ -111,8 +111,6 @@ class TrainConfig:
                     compile=self.compile, no_progress=self.no_progress)
         if self.reg_detach is not None:
             check_bools(reg_detach=self.reg_detach)
-        if not 0 < self.val_frac < 1:  # (NaN too) refused by the split only once every document was read
-            raise ValueError(f"--val-frac must lie in (0, 1), a fraction of the documents (got {self.val_frac})")
         for name in ("seq_len", "batch_size", "grad_accum", "depth", "eval_every", "eval_batches", "log_every",
                      "aspect_ratio", "head_dim", "width", "kv_heads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
@@ -128,6 +126,7 @@ class TrainConfig:
             raise ValueError(f"--stop-after must be >= 0 (got {self.stop_after})")
         if self.minutes is not None and not (math.isfinite(self.minutes) and self.minutes > 0):  # nan: `<= 0` False
             raise ValueError(f"--minutes must be a finite number > 0 (got {self.minutes})")  # inf: no LR schedule
+        check_val_frac(self.val_frac)  # (NaN too) the split's own refusal came after the tokenizer and the data
         if not 0 <= self.warmdown <= 1:
             raise ValueError(f"--warmdown must lie in [0, 1] (got {self.warmdown})")
         if self.hc_streams < 0:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import snlp.io.chat as chat
+from snlp.io.data import check_val_frac
 from snlp.io.checkpoint import load, load_train_state
 from snlp.method.jacobian import check_fd_step
 from snlp.method.plan import Plan
@@ -216,8 +217,7 @@ def sft(scfg: SFTConfig, hooks: TrainHooks | None = None) -> TrainResult:
     # True is an int: max_conversations=True read one conversation (TrainConfig.check's rule of the counts)
     if err := count_error("--max-conversations", scfg.max_conversations) or number_error("--val-frac", scfg.val_frac):
         raise ValueError(err)
-    if not 0 < scfg.val_frac < 1:
-        raise ValueError(f"--val-frac must lie in (0, 1), got {scfg.val_frac}")
+    check_val_frac(scfg.val_frac)
     if scfg.max_conversations < 0:  # the loader stops once it holds `limit`: -1 read one conversation
         raise ValueError(f"--max-conversations must be >= 0 (0: all; got {scfg.max_conversations})")
     scfg = replace(scfg, data=chat.resolve_spec(scfg.data))  # recorded absolute: a resume from any folder reads them

@@ -504,6 +504,11 @@ def test_nan_is_refused_for_every_number_flag(argv, flag, home, tmp_path, capsys
      "--blocks must be draft block sizes B >= 1"),
     (["eval", "{ck}", "--drafter", "{home}/drafter-8", "--chat-prompts", "chat:x.jsonl", "--prompts", "0"],
      "--prompts must be >= 1 with --chat-prompts (got 0)"),
+    # the split holds out every round(1 / f)-th document, every other one at most: 0.6 held out half and said 0.6
+    (["eval", "{ck}", "--plans", "2xF1-h0-K1", "--val-frac", "0.6"], "--val-frac must lie in (0, 0.5]"),
+    (["train", "--out", "{o}", "--depth", "2", "--val-frac", "0.75"], "--val-frac must lie in (0, 0.5]"),
+    (["sft", "{ck}", "--data", "chats.jsonl", "--out", "{o}", "--val-frac", "0.9"], "--val-frac must lie in (0, 0.5]"),
+    (["adapt", "{ck}", "--plan", "2xF1-h0-K1", "--out", "{o}", "--val-frac", "0.6"], "--val-frac must lie in (0, 0.5]"),
 ])
 def test_a_number_out_of_range_is_refused_not_read_as_the_default(argv, says, home, tmp_path, capsys):
     """`adapt --steps 0` trained the default 200 steps and `eval --seq-len 0` used the default window (an `x or

@@ -654,3 +654,37 @@ def test_ctrl_c_in_the_distributed_timing_keeps_the_generation(ckpt, tmp_path, m
     assert "measured_speedup" not in rec
     assert any("the timing against sequential decoding was interrupted" in line for line in cap.out.splitlines())
     assert f"written to {out}" in cap.err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("mode", ["snlp", "speculative"])
+def test_a_drafters_run_names_the_drafter_in_its_summary_and_json(ckpt, tmp_path, capsys, mode):
+    """With --drafter the summary line and --json named only the plan (`[snlp 2xF1-h0-K1]`, "plan": "2xF1-h0-K1"),
+    as a run of the model's own post-hoc plan writes them: in snlp mode the tokens are the drafter's approximation,
+    not the plan's, and nothing in the record said so. Both now name the drafter (None without one), for one prompt
+    and for a prompts file."""
+    from snlp.io.checkpoint import load
+    from snlp.io.drafter import save_drafter
+    from snlp.method.drafter import make_drafter
+
+    model, _ = load(ckpt)
+    drafter = make_drafter(model, "2xF1-h0-K1")
+    with torch.no_grad():  # an adapted drafter: its suffix is no longer the base's
+        for p in drafter.suffix_state().values():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype))
+    d = save_drafter(tmp_path / "d", drafter)
+    extra = ["--mode", mode] + (["--no-baseline"] if mode == "speculative" else [])
+    own = _gen(ckpt, tmp_path, *extra, "--plan", "2xF1-h0-K1")
+    line = capsys.readouterr().out.strip().splitlines()[-2]
+    assert own["drafter"] is None and "drafter" not in line, line
+    got = _gen(ckpt, tmp_path, *extra, "--drafter", str(d))
+    line = capsys.readouterr().out.strip().splitlines()[-2]
+    assert got["drafter"] == str(d) and got["plan"] == "2xF1-h0-K1", got
+    assert line.startswith(f"[{mode} 2xF1-h0-K1, drafter {d}]"), line
+    if mode == "snlp":  # the drafter's approximation: other tokens than the model's post-hoc plan
+        assert got["tokens"] != own["tokens"]
+    (tmp_path / "p.txt").write_text("First Citizen:\nAll:\n")
+    out = tmp_path / "b.json"
+    assert main(["generate", str(ckpt), "--prompts-file", str(tmp_path / "p.txt"), "--max-new-tokens", "6",
+                 "--json", str(out), *extra, "--drafter", str(d)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["drafter"] == str(d) and f", drafter {d}]" in capsys.readouterr().out

@@ -556,12 +556,14 @@ def test_a_model_whose_own_forward_is_nan_is_refused_before_any_phase_is_written
 
 
 @pytest.mark.parametrize("flag, value, msg", [("--max-chars", "-5", "--max-chars must be >= 0 (0: all; got -5)"),
-                                              ("--val-frac", "1.5", "--val-frac must lie in (0, 1), got 1.5"),
+                                              ("--val-frac", "1.5", "--val-frac must lie in (0, 0.5] (every round(1 / f)-th document is "
+                                                               "held out, every other one at most), got 1.5"),
+                                              ("--val-frac", "0.6", "--val-frac must lie in (0, 0.5]"),
                                               ("--data", "nope.jsonl", "unknown data source")])
 def test_a_bad_data_setting_is_refused_before_the_checkpoint_loads(tmp_path, monkeypatch, capsys, flag, value, msg):
     """`snlp eval --max-chars -5` capped the corpus after its first document and failed in the split with "the data
     source has only one document", after the model had loaded (`snlp train` refuses it as a bad value); a --val-frac
-    outside (0, 1) and a --data file that does not exist were refused only after the model loaded. (--data given
+    outside (0, 0.5] (the split holds out every other document at most) and a --data file that does not exist were refused only after the model loaded. (--data given
     last: argparse keeps the last value.)"""
     from conftest import text_checkpoint
 

@@ -195,3 +195,21 @@ def test_a_files_signature_names_each_file_within_its_part_and_the_record_keeps_
     assert D.keyed_spec("d,stdlib") == f"{tmp_path / 'd'},stdlib"  # relative: absolute
     assert D.keyed_spec(f"{tmp_path / 'd'}/") == f"{tmp_path / 'd'}/"  # absolute: as typed, so its cache key holds
     assert D.source_key(D.keyed_spec(f"{tmp_path / 'd'}/")) == D.source_key(f"{tmp_path / 'd'}/")
+
+
+@pytest.mark.parametrize("val_frac", [0.5, 0.3, 0.05])
+def test_the_split_holds_out_every_round_one_over_val_frac_th_document(val_frac):
+    """Against a naive loop: document i is validation where (i + 1) is a multiple of round(1 / val_frac)."""
+    docs = [f"d{i}" for i in range(40)]
+    every = round(1 / val_frac)
+    train, val = D.split_documents(docs, val_frac)
+    assert val == [d for i, d in enumerate(docs) if (i + 1) % every == 0]
+    assert train == [d for d in docs if d not in val]
+
+
+@pytest.mark.parametrize("val_frac", [0.6, 0.75, 0.99, 1.0, 0.0, -0.1])
+def test_a_val_frac_the_split_cannot_hold_out_is_refused(val_frac):
+    """Above 0.5 the stride max(2, round(1 / val_frac)) is 2: 0.6 or 0.99 held out every other document, as 0.5
+    does, while `snlp eval` printed "val split 0.6" and the token cache was keyed by 0.6. Refused in one line."""
+    with pytest.raises(ValueError, match=r"--val-frac must lie in \(0, 0.5\]"):
+        D.split_documents([f"d{i}" for i in range(10)], val_frac)

@@ -1301,6 +1301,24 @@ def test_an_export_of_a_source_whose_generation_config_pads_with_minus_one_gener
         assert b.generate(x, max_new_tokens=12).tolist() == a.generate(x, max_new_tokens=12).tolist()
 
 
+def test_an_exported_folder_has_the_umasks_mode_as_save_pretrained_gives_it(tmp_path):
+    """export_hf writes into a hidden folder beside `out` and renames it: made by tempfile.mkdtemp, that folder was
+    0700 whatever the umask, so an export (snlp export --out) was unreadable to every other user where
+    save_pretrained's own folder is not. The folder now gets the mode os.mkdir gives under the umask, checked
+    against a folder made so, beside it."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        out = export_hf(snlp_llama(), tmp_path / "exp")
+        (tmp_path / "ref").mkdir()
+    finally:
+        os.umask(old)
+    mode = stat.S_IMODE(out.stat().st_mode)
+    assert mode == stat.S_IMODE((tmp_path / "ref").stat().st_mode) == 0o755, oct(mode)
+
+
 def test_an_interrupted_export_leaves_no_folder_that_loads_as_a_model_without_its_tokenizer(tmp_path, monkeypatch):
     """export_hf wrote config.json, generation_config.json and model.safetensors straight into `out`, then the
     tokenizer: interrupted there (Ctrl-C, a full disk), `out` held a model transformers loads, without the tokenizer
