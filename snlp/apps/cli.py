@@ -411,7 +411,8 @@ def given_flags(parser: argparse.ArgumentParser, argv: list[str], args) -> froze
 
 
 def one_line_warning(message, category, filename, lineno, file=None, line=None) -> str:
-    # under torchrun a warning before the ranks' process group starts is every rank's alike: rank 0 says it
+    # under torchrun a warning before the ranks' process group starts is every rank's alike: each node's first
+    # rank says it (snlp.runtime.ranks.speaks)
     return f"snlp: warning: {message}\n" if speaks() else ""
 
 
@@ -504,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(command_of(argv))
     argv = attach_negative_values(parser, argv)
-    # under torchrun every rank parses the same flags: argparse's refusal (usage and error) is said by rank 0
+    # under torchrun every rank parses the same flags: argparse's refusal (usage and error) is said by each node's
+    # first rank (snlp.runtime.ranks.speaks)
     with contextlib.nullcontext() if speaks() else contextlib.redirect_stderr(io.StringIO()):
         args, extra = parser.parse_known_args(argv)
     if extra:  # one line naming the sub-command (argparse's names the top-level parser after its usage)
@@ -528,7 +530,8 @@ def main(argv: list[str] | None = None) -> int:
             return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, FloatingPointError) as e:  # bad input: say what and why, no traceback
         remove_empty(made)
-        if speaks():  # under torchrun a refusal before the ranks' process group is every rank's alike: rank 0's
+        if speaks():  # under torchrun a refusal before the ranks' process group is every rank's alike: each node's
+            # first rank says it (a file missing on one node is that node's ranks' alone)
             print(f"snlp {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # a command that can pick up where it stopped says how (its module's interrupt_hint)

@@ -437,14 +437,34 @@ def transformers_version() -> tuple[str | None, str | None]:
 TWIN_TOL = 1e-3  # fp32 logits of the reloaded export vs snlp's, max relative error (the export is exact: ~1e-6)
 
 
+def twin_source(model: GPT) -> GPT:
+    """The model hf_twin exports and checks: `model` where its parameters are on the CPU in fp32 or fp64, else a fresh
+    CPU GPT holding its weights, a half-precision model's upcast to fp32 (exact, so the twin cast back to the run's
+    dtype holds the model's own weights); the caller's model is neither moved nor cast. The copy's non-persistent
+    buffers (RoPE's inv_freq) are built anew, as a loaded model's."""
+    params = list(model.parameters())
+    if all(p.device.type == "cpu" and p.dtype in (torch.float32, torch.float64) for p in params):
+        return model
+    wide = {p.dtype for p in params} - {torch.bfloat16, torch.float16}
+    dtype = torch.float64 if torch.float64 in wide else torch.float32
+    with torch.device("cpu"):
+        src = GPT(model.config).to(dtype)  # load_state_dict copies into the parameters' own dtype
+    src.load_state_dict({k: v.detach().to(device="cpu", dtype=dtype) for k, v in model.state_dict().items()})
+    return src.eval()
+
+
 def hf_twin(model: GPT, device, dtype):
     """(transformers model, None) holding `model`'s weights, written by snlp's export and loaded back by
-    transformers, or (None, why not). `model` is the fp32 CPU model: the twin's fp32 logits on a probe must equal
-    snlp's (a transformers version that reads the exported config differently, e.g. another RoPE field, would
-    otherwise decode another model); only then are both cast to the run's dtype."""
+    transformers, or (None, why not). The check runs on a CPU model in fp32 or fp64 (a given model in half
+    precision or on another device: a CPU copy of its weights, `twin_source`): the twin's fp32 logits on a probe
+    must equal snlp's (a transformers version that reads the exported config differently, e.g. another RoPE field,
+    would otherwise decode another model); only then is the twin cast to the run's device and dtype. In the run's
+    dtype the check would read a bf16 model's own rounding (~1e-2 relative) as another model, and a CUDA model
+    would meet the CPU probe."""
     v, why = transformers_version()
     if why:
         return None, why
+    model = twin_source(model)
     from transformers import AutoModelForCausalLM
 
     from snlp.io.hf import export_hf

@@ -748,6 +748,33 @@ def test_a_given_model_comes_back_as_it_was_given_and_a_config_asking_another_dt
                                                                            before.state_dict().values()))
 
 
+@pytest.mark.skipif(not HAVE_HF, reason="transformers is not installed")
+def test_a_given_bf16_model_keeps_its_transformers_twin_of_its_own_weights():
+    """A given model is timed in its own dtype, and hf_twin checked the twin's fp32 logits against that model's: a
+    bf16 model's own rounding (max rel err ~8e-3 > TWIN_TOL) was reported as "not the same model" and every
+    transformers row was skipped (a CUDA model met the CPU probe). The check now runs on an fp32 CPU copy of its
+    weights (the upcast is exact) and the twin, cast to bf16, holds the model's own weights. References: the model's
+    own tensors, and a deep copy taken before the call."""
+    import copy
+
+    from snlp.bench.decode_suite import hf_twin
+
+    m = random_llama(True, 0).to(torch.bfloat16)
+    before = copy.deepcopy(m)
+    hf, note = hf_twin(m, torch.device("cpu"), torch.bfloat16)
+    assert note is None, note
+    assert hf.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert torch.equal(hf.model.embed_tokens.weight, m.wte.weight)  # its own weights, bit for bit
+    assert torch.equal(hf.model.layers[0].mlp.down_proj.weight, m.blocks[0].mlp.c_proj.weight)
+    res = run_decode_suite(DecodeSuiteConfig(quick=True, batch_sizes=(1,), prompt_len=5, new_tokens=4,
+                                             plans=("2xF1-h0-K1",), blocks=(2,), rounds=1, warmup=0,
+                                             methods=("snlp",)), model=m)
+    assert res.meta.hf_note is None and res.config.dtype == "bfloat16"
+    assert {"hf greedy", "hf greedy (static)"} <= {r.method for r in res.rows if r.library != "snlp"}
+    for (k, a), b in zip(m.state_dict().items(), before.state_dict().values()):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b), k  # the caller's model: not cast, not changed
+
+
 def test_suite_plans_cap_a_k_past_the_exact_count_with_the_warning_plans_give(tmp_path, capsys):
     """`--suite-plans 3xF1-h0-K9` ran K = 9 (the row said exact, the time was nine iterations) with no word, where
     `--plans` caps K at the exact count with a warning (snlp.method.plan.cli_plan). The suite now reads its plans as

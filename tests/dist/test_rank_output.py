@@ -41,18 +41,43 @@ def test_a_refusal_before_the_process_group_is_said_by_rank_0_only(tmp_path):
         assert not out.exists()
 
 
+def test_each_nodes_first_rank_says_a_refusal_before_the_process_group(tmp_path):
+    """A multi-node launch runs one torchrun per node, each with its own terminal, and a file the flags name may be
+    missing on one node only (`snlp generate CKPT --distributed` checks CKPT before any rank starts a group): only
+    rank 0 spoke, so a second node's ranks exited 2 without a word there (and rank 0, on a node that has the file,
+    said nothing either). The first rank of each node (LOCAL_RANK 0) now says the refusal; its other ranks stay
+    silent. One process per rank of the second node: the refusal comes before any group, so no peer is needed."""
+    def rank_of_node_2(local: int) -> subprocess.CompletedProcess:
+        env = {**os.environ, "RANK": str(2 + local), "LOCAL_RANK": str(local), "WORLD_SIZE": "4",
+               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+               "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        return subprocess.run([sys.executable, "-m", "snlp", "generate", str(tmp_path / "only-on-node-1"),
+                               "--distributed", "--plan", "2xF1-h0-K1", "--prompt", "hi"], env=env, cwd=tmp_path,
+                              text=True, capture_output=True, timeout=120)
+
+    first, second = rank_of_node_2(0), rank_of_node_2(1)
+    assert first.returncode == second.returncode == 2, (first.stderr, second.stderr)
+    assert first.stderr == f"snlp generate: error: checkpoint {tmp_path / 'only-on-node-1'} does not exist\n", \
+        first.stderr
+    assert second.stderr == "" and second.stdout == "", second.stderr
+
+
 def test_a_warning_before_the_process_group_is_said_by_rank_0_only(monkeypatch):
     """The command line's one-line warnings (cli.one_line_warning) before a group starts: rank 0's only."""
     from snlp.apps.cli import one_line_warning
     from snlp.runtime import ranks
 
     monkeypatch.setattr(ranks, "STARTED", [])
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
     said = {}
     for rank in ("0", "1"):
         monkeypatch.setenv("RANK", rank)
         monkeypatch.setenv("WORLD_SIZE", "2")
         said[rank] = one_line_warning("a plan changes nothing", UserWarning, "x.py", 1)
     assert said == {"0": "snlp: warning: a plan changes nothing\n", "1": ""}
+    monkeypatch.setenv("LOCAL_RANK", "0")  # rank 1 as the first process of a second node: its terminal's
+    assert one_line_warning("w", UserWarning, "x.py", 1) == "snlp: warning: w\n"
+    monkeypatch.delenv("LOCAL_RANK")
     monkeypatch.setattr(ranks, "STARTED", [True])  # after a group: this rank's own, said
     assert one_line_warning("w", UserWarning, "x.py", 1) == "snlp: warning: w\n"
 
