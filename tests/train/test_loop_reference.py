@@ -165,6 +165,26 @@ def _fp64_ddp_rank(rank, world, port, cfg):
     fit(cfg, make_job=fp64_ragged_job)
 
 
+def two_rank_step(tmp_path, rank_fn, grad_accum: int):
+    """One AdamW step of a depth-2 model over 2 gloo ranks (`rank_fn` runs each): the run's config, step 1's logged
+    row, the data's tokens and the same init in fp64 (train mode) for a one-process reference."""
+    from conftest import spawn_ranks
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(SHAKESPEARE.read_text()[:30_000])
+    cfg = TrainConfig(out=str(tmp_path / "run"), data=str(corpus), cache_dir=str(tmp_path / "cache"), depth=2, width=32,
+                      head_dim=16, vocab_size=300, seq_len=16, batch_size=2, grad_accum=grad_accum, steps=1,
+                      optimizer="adamw", reg="none", log_every=1, eval_every=100, eval_batches=1, no_progress=True,
+                      device="cpu")
+    spawn_ranks(rank_fn, 2, cfg)
+    logged = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    got = next(r for r in logged if r.get("step") == 1 and "loss" in r)
+    tok, tokens = prepare_data(cfg, None, 0, 1)
+    m = GPT(build_config(cfg, tok.vocab_size))
+    m.init_weights(seed=cfg.seed)
+    return cfg, got, tokens, m.double().train()
+
+
 @pytest.mark.slow  # two spawned gloo ranks: ~15 s on 2 cores
 def test_an_fp64_ddp_steps_loss_and_gradient_norm_are_the_global_token_means(tmp_path):
     """Under DDP each rank's CE was weighted by an fp32 share of the global token count, so an fp64 model's gradient
@@ -172,20 +192,7 @@ def test_an_fp64_ddp_steps_loss_and_gradient_norm_are_the_global_token_means(tmp
     micro-batches with their ragged targets; each micro-batch's CE summed from the fp64 log-softmax over the global
     batch's kept targets, divided by their count, averaged over the micro-batches; its autograd gradient's norm.
     Step 1's logged loss and gradient norm agree to fp64 round-off."""
-    from conftest import spawn_ranks
-
-    corpus = tmp_path / "c.txt"
-    corpus.write_text(SHAKESPEARE.read_text()[:30_000])
-    cfg = TrainConfig(out=str(tmp_path / "run"), data=str(corpus), cache_dir=str(tmp_path / "cache"), depth=2, width=32,
-                      head_dim=16, vocab_size=300, seq_len=16, batch_size=2, grad_accum=2, steps=1, optimizer="adamw",
-                      reg="none", log_every=1, eval_every=100, eval_batches=1, no_progress=True, device="cpu")
-    spawn_ranks(_fp64_ddp_rank, 2, cfg)
-    logged = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
-    got = next(r for r in logged if r.get("step") == 1 and "loss" in r)
-    tok, tokens = prepare_data(cfg, None, 0, 1)
-    m = GPT(build_config(cfg, tok.vocab_size))
-    m.init_weights(seed=cfg.seed)
-    m = m.double().train()
+    cfg, got, tokens, m = two_rank_step(tmp_path, _fp64_ddp_rank, grad_accum=2)
     means = []
     for micro in range(cfg.grad_accum):
         total, n = 0.0, 0
@@ -251,20 +258,7 @@ def test_a_ddp_rank_without_targets_weighs_nothing_and_logs_no_nan(tmp_path):
     step is right) but its logged CE, NaN x 0, made the step's loss NaN, and the run stopped saying the loss had
     diverged. Its mean now weighs nothing: step 1's logged loss and gradient norm are the global batch's token mean
     and its autograd norm (rank 1's targets only), computed in one process in fp64."""
-    from conftest import spawn_ranks
-
-    corpus = tmp_path / "c.txt"
-    corpus.write_text(SHAKESPEARE.read_text()[:30_000])
-    cfg = TrainConfig(out=str(tmp_path / "run"), data=str(corpus), cache_dir=str(tmp_path / "cache"), depth=2, width=32,
-                      head_dim=16, vocab_size=300, seq_len=16, batch_size=2, grad_accum=1, steps=1, optimizer="adamw",
-                      reg="none", log_every=1, eval_every=100, eval_batches=1, no_progress=True, device="cpu")
-    spawn_ranks(_empty_rank0_ddp, 2, cfg)
-    logged = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
-    got = next(r for r in logged if r.get("step") == 1 and "loss" in r)
-    tok, tokens = prepare_data(cfg, None, 0, 1)
-    m = GPT(build_config(cfg, tok.vocab_size))
-    m.init_weights(seed=cfg.seed)
-    m = m.double().train()
+    cfg, got, tokens, m = two_rank_step(tmp_path, _empty_rank0_ddp, grad_accum=1)
     x, y = D.batch_at(tokens.train, 0, cfg.seq_len, cfg.batch_size, cfg.seed, 1, 2)  # rank 1's rows
     lp = torch.log_softmax(m(x), -1)  # (B, T, V) fp64
     loss = -lp.gather(-1, y[..., None]).sum() / y.numel()
