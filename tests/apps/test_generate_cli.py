@@ -688,3 +688,17 @@ def test_a_drafters_run_names_the_drafter_in_its_summary_and_json(ckpt, tmp_path
                  "--json", str(out), *extra, "--drafter", str(d)]) == 0
     rec = json.loads(out.read_text())
     assert rec["drafter"] == str(d) and f", drafter {d}]" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--eos-id", "99999"], "eos_id 99999 holds ids outside the model's vocabulary"),
+    (["--mode", "snlp", "--plan", "2xF1-preheat-K1"], "has no calibration: run `snlp calibrate"),
+])
+def test_an_empty_prompt_refused_after_the_load_gets_its_refusal_alone(ckpt, capsys, extra, says):
+    """The empty-prompt note ("generating from the tokenizer's BOS alone") came right after the load, before the
+    refusals that need the model (an --eos-id past its vocabulary, a -preheat- plan without its calibration): the
+    terminal announced a generation and then refused it. Only the refusal now; the note still comes where the run
+    decodes (test_an_empty_prompt_is_said_before_generating_from_bos)."""
+    assert main(["generate", str(ckpt), "--max-new-tokens", "2", *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
