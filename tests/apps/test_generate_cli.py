@@ -702,3 +702,24 @@ def test_an_empty_prompt_refused_after_the_load_gets_its_refusal_alone(ckpt, cap
     assert main(["generate", str(ckpt), "--max-new-tokens", "2", *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0], err
+
+
+def test_a_distributed_generation_records_the_drafter_key_as_a_single_process_one(ckpt, tmp_path, monkeypatch):
+    """docs/usage.md: generate's --json holds `drafter` (the --drafter folder, null without one). The single-process
+    record wrote it; the --distributed record (which refuses --drafter) had no such key, so a reader of both forms
+    met a KeyError on one. Reference: the keys of the single-process record of the same generation."""
+    import socket
+
+    with socket.socket() as s:  # a one-rank process group of this process (torchrun's environment, by hand)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    one = _gen(ckpt, tmp_path, "--mode", "snlp", "--plan", "2xF1-h0-K1", "--quiet")
+    out = tmp_path / "dist.json"
+    assert main(["generate", str(ckpt), "--distributed", "--mode", "snlp", "--plan", "2xF1-h0-K1",
+                 "--max-new-tokens", "24", "--prompt", "First Citizen:", "--json", str(out), "--quiet"]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["tokens"] == one["tokens"] and rec["plan"] == one["plan"]
+    assert "drafter" in rec and rec["drafter"] is None and one["drafter"] is None
