@@ -290,7 +290,8 @@ def generation_record(args, res, tok, plan, world: int, mem, penalty, penalty_so
     record = {"tokens": res.tokens, "text": tok.decode(res.tokens, mark_missing=True),
               "sampling": sampling_record(args, penalty, penalty_source), "world_size": world,
               "chunks_per_rank": [list(b) for b in partition(plan.chunks, world)], "memory_per_rank": mem,
-              **{k: v for k, v in res.to_dict().items() if k != "tokens"}}
+              **{k: v for k, v in res.to_dict().items() if k != "tokens"},
+              "drafter": None}  # the key snlp generate's record holds (its --drafter): --distributed refuses one
     stats = (f"[distributed {res.mode} {plan} over {n_ranks(world)}] {len(res.tokens)} tokens, "
              f"{res.tokens_per_s:.1f} tok/s{' in this one run' if base is not None else ''}, stop: {res.stop}")
     if res.mode == "speculative":  # as snlp generate's line: the block and the acceptance, --no-baseline or not

@@ -474,11 +474,6 @@ def run(args) -> int:
     check_source(args.ckpt, "checkpoint", hub=False)  # one line, with the closest names
     check_plans_fit(args.ckpt, [args.plan])  # before the weights load
     model, tok = load(args.ckpt, device="cpu", need_tokenizer="save it with one to use `snlp generate`")
-    if args.prompts_file is None and not args.prompt and not args.chat:  # legal (unconditional), but say so; a blank
-        #               prompt is not empty: its whitespace tokens condition (after BOS where Tokenizer.prompt_ids adds one).
-        #               After the load, which refuses a checkpoint without a tokenizer: nothing is generated then
-        print("snlp generate: the prompt is empty: generating from the tokenizer's BOS alone (give --prompt TEXT to "
-              "continue a text)", file=sys.stderr)
     model = model.to(device).eval()
     if args.eos_id is not None:  # its range needs the model's vocabulary: here, before the prompt is echoed
         from snlp.decode.session import stop_set
@@ -513,6 +508,12 @@ def run(args) -> int:
               file=sys.stderr)
     if args.prompts_file is not None:
         return run_prompts_file(args, model, tok, plan, preheat, drafter)
+    if not args.prompt and not args.chat:  # legal (unconditional), but say so; a blank prompt is not empty: its
+        # whitespace tokens condition (after BOS where Tokenizer.prompt_ids adds one). Here, after every refusal above
+        # (no tokenizer, an --eos-id past the vocabulary, a plan the model or its calibration cannot run): a note
+        # before one of them announced a generation that never came
+        print("snlp generate: the prompt is empty: generating from the tokenizer's BOS alone (give --prompt TEXT to "
+              "continue a text)", file=sys.stderr)
     prompt, eos_id = prompt_ids(args, tok)
     past_context(model, len(prompt), args.max_new_tokens)
     # a kept token's query sits at position < prompt + new tokens: no window narrower than that drops a key it reads

@@ -688,3 +688,38 @@ def test_a_drafters_run_names_the_drafter_in_its_summary_and_json(ckpt, tmp_path
                  "--json", str(out), *extra, "--drafter", str(d)]) == 0
     rec = json.loads(out.read_text())
     assert rec["drafter"] == str(d) and f", drafter {d}]" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--eos-id", "99999"], "eos_id 99999 holds ids outside the model's vocabulary"),
+    (["--mode", "snlp", "--plan", "2xF1-preheat-K1"], "has no calibration: run `snlp calibrate"),
+])
+def test_an_empty_prompt_refused_after_the_load_gets_its_refusal_alone(ckpt, capsys, extra, says):
+    """The empty-prompt note ("generating from the tokenizer's BOS alone") came right after the load, before the
+    refusals that need the model (an --eos-id past its vocabulary, a -preheat- plan without its calibration): the
+    terminal announced a generation and then refused it. Only the refusal now; the note still comes where the run
+    decodes (test_an_empty_prompt_is_said_before_generating_from_bos)."""
+    assert main(["generate", str(ckpt), "--max-new-tokens", "2", *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
+
+
+def test_a_distributed_generation_records_the_drafter_key_as_a_single_process_one(ckpt, tmp_path, monkeypatch):
+    """docs/usage.md: generate's --json holds `drafter` (the --drafter folder, null without one). The single-process
+    record wrote it; the --distributed record (which refuses --drafter) had no such key, so a reader of both forms
+    met a KeyError on one. Reference: the keys of the single-process record of the same generation."""
+    import socket
+
+    with socket.socket() as s:  # a one-rank process group of this process (torchrun's environment, by hand)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    one = _gen(ckpt, tmp_path, "--mode", "snlp", "--plan", "2xF1-h0-K1", "--quiet")
+    out = tmp_path / "dist.json"
+    assert main(["generate", str(ckpt), "--distributed", "--mode", "snlp", "--plan", "2xF1-h0-K1",
+                 "--max-new-tokens", "24", "--prompt", "First Citizen:", "--json", str(out), "--quiet"]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["tokens"] == one["tokens"] and rec["plan"] == one["plan"]
+    assert "drafter" in rec and rec["drafter"] is None and one["drafter"] is None

@@ -213,3 +213,18 @@ def test_a_val_frac_the_split_cannot_hold_out_is_refused(val_frac):
     does, while `snlp eval` printed "val split 0.6" and the token cache was keyed by 0.6. Refused in one line."""
     with pytest.raises(ValueError, match=r"--val-frac must lie in \(0, 0.5\]"):
         D.split_documents([f"d{i}" for i in range(10)], val_frac)
+
+
+@pytest.mark.parametrize("val_frac", [np.float32(0.05), np.float16(0.25), np.float64(0.5)])
+def test_a_numpy_val_frac_is_split_as_the_python_float_it_holds(val_frac):
+    """A numpy real is a number to every real-valued setting (snlp.runtime.checks.number_error), and the split reads
+    it by arithmetic alone; check_val_frac took only Python int / float, so np.float32(0.05) was refused as "must lie
+    in (0, 0.5], got 0.05000000074505806". Reference: the split of float(val_frac)."""
+    docs = [f"d{i}" for i in range(40)]
+    assert D.split_documents(docs, val_frac) == D.split_documents(docs, float(val_frac))
+
+
+@pytest.mark.parametrize("val_frac", [True, "0.1", None, np.bool_(True)])
+def test_a_val_frac_that_is_no_number_is_refused(val_frac):
+    with pytest.raises(ValueError, match=r"--val-frac must lie in \(0, 0.5\]"):
+        D.check_val_frac(val_frac)

@@ -256,3 +256,18 @@ def test_hc_lr_with_a_nanochat_init_from_is_refused_before_any_work(name, corpus
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "has no tokenizer.json" in err, err
         assert not out.exists() and not cache.exists()
+
+
+def test_a_numpy_val_frac_trains_as_its_python_float(corpus, tmp_path):
+    """TrainConfig reads val_frac as a number where numpy's reals are numbers (NUMBERS, number_error), but the shared
+    (0, 0.5] check took only Python int / float: val_frac=np.float32(0.05) was refused before any work with "must lie
+    in (0, 0.5], got 0.05000000074505806". It trains, on the documents float 0.05 holds out (the validation loss of
+    a run with the Python float, the same seed: the reference)."""
+    from snlp.train.config import TrainConfig
+    from snlp.train.trainer import fit
+
+    tiny = dict(depth=2, width=32, head_dim=16, vocab_size=300, seq_len=16, batch_size=2, steps=1, eval_batches=1,
+                no_progress=True, device="cpu", data=str(corpus), cache_dir=str(tmp_path / "cache"))
+    got = fit(TrainConfig(out=str(tmp_path / "np"), val_frac=np.float32(0.05), **tiny))
+    want = fit(TrainConfig(out=str(tmp_path / "py"), val_frac=0.05, **tiny))
+    assert got.val_loss == want.val_loss and (tmp_path / "np" / "config.json").is_file()
