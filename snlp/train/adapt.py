@@ -331,15 +331,19 @@ def distill_terms(drafter: Drafter, hL_t, logits_t, hL_s, tau: float, weight: to
     (0 when it marks none); None: over every position."""
     logits_s = drafter.model.head(hL_s)
     V = logits_s.shape[-1]
+    # the MSE in fp32 at least (bf16 states upcast) and in the states' own dtype when wider: `.float()` rounded an
+    # fp64 run's final states, so its MSE term and that term's gradient, to fp32 (~1e-8 relative)
+    wide = torch.promote_types(hL_s.dtype, torch.float32)
+    hs, ht = norm(hL_s.to(wide)), norm(hL_t.to(wide))
     ls, lt = F.log_softmax(logits_s.view(-1, V) / tau, -1), F.log_softmax(logits_t.view(-1, V) / tau, -1)
     if weight is None:
         kl = F.kl_div(ls, lt, log_target=True, reduction="batchmean") * tau * tau
-        mse = F.mse_loss(norm(hL_s.float()), norm(hL_t.float()))
+        mse = F.mse_loss(hs, ht)
         return kl, mse, logits_s
     w = weight.reshape(-1).to(ls.dtype)  # (B*T,)
     n = w.sum().clamp_min(1.0)
     kl = (F.kl_div(ls, lt, log_target=True, reduction="none").sum(-1) * w).sum() / n * tau * tau
-    sq = (norm(hL_s.float()) - norm(hL_t.float())).pow(2).mean(-1).reshape(-1)  # (B*T,)
+    sq = (hs - ht).pow(2).mean(-1).reshape(-1)  # (B*T,)
     mse = (sq * w.to(sq.dtype)).sum() / n.to(sq.dtype)
     return kl, mse, logits_s
 

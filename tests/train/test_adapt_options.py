@@ -119,6 +119,35 @@ def test_replies_loss_is_the_masked_mean_over_reply_positions_and_all_is_unchang
         assert abs(float(kl) - rkl) < 1e-6 * max(1, rkl) and abs(float(mse) - rmse) < 1e-6 * max(1, rmse)
 
 
+@pytest.mark.parametrize("loss_on", ["all", "replies"])
+def test_an_fp64_runs_kl_and_mse_terms_are_fp64_means(tmp_path, loss_on):
+    """An fp64 base's distillation terms (the trained loss and the validation's) are its fp64 means: the MSE of the
+    RMS-normalised final states was computed on `.float()` copies, fp32 (~1e-8 relative, its gradient too).
+    Reference: naive_terms' per-position fp64 loop."""
+    from snlp.train.adapt import validate_drafter
+
+    cfg = chat_cfg(tmp_path, loss_on=loss_on)
+    job, held, _ = build_job(cfg)
+    perturb_suffix(held["drafter"])
+    x, w = job.batch(0, 0, 1)
+    _, kl, mse = job.loss(x, w, 0.0)
+    assert kl.dtype == mse.dtype == torch.float64
+    rkl, rmse, n = naive_terms(held, x, w.tolist() if loss_on == "replies" else None, cfg.tau)
+    assert n > 0
+    assert abs(float(kl) - rkl) <= 1e-12 * rkl and abs(float(mse) - rmse) <= 1e-12 * rmse
+    v = validate_drafter(held["base"], held["drafter"], [(x, None)], cfg, "cpu")
+    vkl, vmse, _ = naive_terms(held, x, None, cfg.tau)
+    assert abs(v.loss - vkl) <= 1e-12 * vkl and abs(v.mse - vmse) <= 1e-12 * vmse
+
+
+def perturb_suffix(drafter, scale: float = 0.05):
+    """Move the drafter's suffix off the base's (an unadapted drafter's final states are close to the base's)."""
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for v in drafter.suffix_state().values():
+            v.add_(torch.randn(v.shape, generator=gen, dtype=v.dtype) * scale)
+
+
 def test_replies_mask_of_self_distilled_rows_marks_the_base_replies(tmp_path):
     """With --self-distill the reply positions are the base's reply tokens after each training prompt."""
     import snlp.train.selfgen as SG
@@ -474,3 +503,4 @@ def test_a_callers_base_has_its_fd_eps_checked_in_its_own_dtype(tmp_path):
     with pytest.raises(ValueError, match=r"eps:0.01 is below the smallest FD step of the compute dtype bfloat16"):
         adapt(cfg16, base=(load(tmp_path / "base", dtype=torch.bfloat16)[0], tok))
     assert not out.exists()
+
