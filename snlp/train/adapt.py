@@ -250,6 +250,7 @@ class AdaptResult:
     rank: int = 0  # this process's rank (only rank 0's result carries the validation records)
     signal: str | None = None  # stopped_by "interrupt": the signal's name (TrainResult.signal)
     late_signal: str | None = None  # one after the run's last stop check, held (TrainResult.late_signal)
+    skipped_steps: int = 0  # --loss-on replies: steps whose windows held no reply position (no update, not in steps)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -482,6 +483,9 @@ def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict, loaded: tuple, fingerpri
                    loss=AdaptStep(base, drafter, cfg),
                    # replies: KL and MSE average over the reply positions y marks (distill_terms); "all": every position
                    counts=(lambda y, v: (float(y.sum()),) * 2) if mask is not None else None,
+                   # a step whose windows hold no reply position (on any rank) has nothing to learn: distill_terms'
+                   # empty mean is 0, and AdamW's step on that zero gradient still moved the drafter (momentum)
+                   skip_empty="no reply position" if mask is not None else None,
                    validate=lambda m, vb: validate_drafter(base, drafter, vb, cfg, device, rows=cfg.batch_size),
                    describe=f"adapting the {plan} drafter of {cfg.src} (kv={cfg.kv}, "
                    f"{f'LoRA rank {cfg.lora_rank} deltas' if cfg.lora_rank else 'suffix'} "
@@ -730,7 +734,7 @@ def _adapt(cfg: AdaptConfig, plan: Plan, hooks, base: tuple, owned: bool, finger
         result = AdaptResult(out=str(out), plan=str(plan), kv=cfg.kv, steps=res.steps, tokens=res.tokens,
                              minutes=res.elapsed_s / 60, stopped_by=res.stopped_by, extra_bytes=drafter.extra_bytes(),
                              device=held["device"], world=held["world"], rank=held["rank"], signal=res.signal,
-                             late_signal=res.late_signal)
+                             late_signal=res.late_signal, skipped_steps=res.skipped_steps)
         if held["rank"] == 0:  # one writer: rank 0 (its log and checkpoint are the run's)
             save_result(cfg, out, drafter, result, res.stopped_by, t0, init[1] if init else None)
         if held["world"] > 1 and dist.is_initialized():  # the others return once the drafter is on disk
