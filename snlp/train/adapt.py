@@ -13,7 +13,8 @@ own, bit for bit). Only the drafter's copy of the plan's suffix layers is traine
   loss     KL(teacher || student) on the logits (temperature tau) + hidden_weight * MSE between the
            RMS-normalised final states (the issue's probe used the MSE term alone), averaged over every window
            position (loss_on="all") or over the positions whose next token is an assistant reply token only
-           (loss_on="replies": the chat mask SFT trains on, snlp.io.chat; prompts stay in the context).
+           (loss_on="replies": the chat mask SFT trains on, snlp.io.chat; prompts stay in the context; a step
+           whose windows hold no reply position on any rank is skipped, not stepped: Job.skip_empty).
 
 A run can start its suffix from a saved drafter of the same base and suffix layout (init_drafter) with a fresh
 optimiser and LR schedule, to continue training it on other settings (unlike resume, which continues one run).
@@ -329,7 +330,8 @@ def distill_terms(drafter: Drafter, hL_t, logits_t, hL_s, tau: float, weight: to
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(KL(teacher || student) per token at temperature tau (scaled by tau^2), MSE of the RMS-normalised final
     states, the student's logits). `weight` (B, T) 0/1: both terms averaged over the positions it marks only
-    (0 when it marks none); None: over every position."""
+    (0 when it marks none, with a zero gradient: the trainer skips a step whose windows hold none, Job.skip_empty);
+    None: over every position."""
     logits_s = drafter.model.head(hL_s)
     V = logits_s.shape[-1]
     # the MSE in fp32 at least (bf16 states upcast) and in the states' own dtype when wider: `.float()` rounded an
