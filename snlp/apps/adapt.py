@@ -159,7 +159,9 @@ def run(args) -> int:
     # a plan ssd_solve does not cover has no SSD-conditions Top-1 (null in log.jsonl): said, never printed as 0 or nan
     ssd = (f"SSD conditions {100 * pct(b, 'top1_ssd'):.1f} -> {100 * pct(a, 'top1_ssd'):.1f} %"
            if "top1_ssd" in a and a["top1_ssd"] is not None else "SSD conditions not measured for this plan")
-    print(f"{how} {res.plan} drafter -> {res.out}: {res.steps} steps, {res.tokens:,} tokens, {res.minutes:.1f} min | "
+    skipped = f" (+{res.skipped_steps} skipped: no reply position)" if res.skipped_steps else ""
+    print(f"{how} {res.plan} drafter -> {res.out}: {res.steps} steps{skipped}, {res.tokens:,} tokens, "
+          f"{res.minutes:.1f} min | "
           f"Top-1 {100 * pct(b, 'top1'):.1f} -> {100 * pct(a, 'top1'):.1f} % ({ssd}) | extra memory "
           f"{res.extra_bytes / 2**20:.1f} MiB")
     if args.json:

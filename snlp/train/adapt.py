@@ -13,7 +13,8 @@ own, bit for bit). Only the drafter's copy of the plan's suffix layers is traine
   loss     KL(teacher || student) on the logits (temperature tau) + hidden_weight * MSE between the
            RMS-normalised final states (the issue's probe used the MSE term alone), averaged over every window
            position (loss_on="all") or over the positions whose next token is an assistant reply token only
-           (loss_on="replies": the chat mask SFT trains on, snlp.io.chat; prompts stay in the context).
+           (loss_on="replies": the chat mask SFT trains on, snlp.io.chat; prompts stay in the context; a step
+           whose windows hold no reply position on any rank is skipped, not stepped: Job.skip_empty).
 
 A run can start its suffix from a saved drafter of the same base and suffix layout (init_drafter) with a fresh
 optimiser and LR schedule, to continue training it on other settings (unlike resume, which continues one run).
@@ -250,6 +251,7 @@ class AdaptResult:
     rank: int = 0  # this process's rank (only rank 0's result carries the validation records)
     signal: str | None = None  # stopped_by "interrupt": the signal's name (TrainResult.signal)
     late_signal: str | None = None  # one after the run's last stop check, held (TrainResult.late_signal)
+    skipped_steps: int = 0  # --loss-on replies: steps whose windows held no reply position (no update, not in steps)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -328,18 +330,23 @@ def distill_terms(drafter: Drafter, hL_t, logits_t, hL_s, tau: float, weight: to
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(KL(teacher || student) per token at temperature tau (scaled by tau^2), MSE of the RMS-normalised final
     states, the student's logits). `weight` (B, T) 0/1: both terms averaged over the positions it marks only
-    (0 when it marks none); None: over every position."""
+    (0 when it marks none, with a zero gradient: the trainer skips a step whose windows hold none, Job.skip_empty);
+    None: over every position."""
     logits_s = drafter.model.head(hL_s)
     V = logits_s.shape[-1]
+    # the MSE in fp32 at least (bf16 states upcast) and in the states' own dtype when wider: `.float()` rounded an
+    # fp64 run's final states, so its MSE term and that term's gradient, to fp32 (~1e-8 relative)
+    wide = torch.promote_types(hL_s.dtype, torch.float32)
+    hs, ht = norm(hL_s.to(wide)), norm(hL_t.to(wide))
     ls, lt = F.log_softmax(logits_s.view(-1, V) / tau, -1), F.log_softmax(logits_t.view(-1, V) / tau, -1)
     if weight is None:
         kl = F.kl_div(ls, lt, log_target=True, reduction="batchmean") * tau * tau
-        mse = F.mse_loss(norm(hL_s.float()), norm(hL_t.float()))
+        mse = F.mse_loss(hs, ht)
         return kl, mse, logits_s
     w = weight.reshape(-1).to(ls.dtype)  # (B*T,)
     n = w.sum().clamp_min(1.0)
     kl = (F.kl_div(ls, lt, log_target=True, reduction="none").sum(-1) * w).sum() / n * tau * tau
-    sq = (norm(hL_s.float()) - norm(hL_t.float())).pow(2).mean(-1).reshape(-1)  # (B*T,)
+    sq = (hs - ht).pow(2).mean(-1).reshape(-1)  # (B*T,)
     mse = (sq * w.to(sq.dtype)).sum() / n.to(sq.dtype)
     return kl, mse, logits_s
 
@@ -478,6 +485,9 @@ def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict, loaded: tuple, fingerpri
                    loss=AdaptStep(base, drafter, cfg),
                    # replies: KL and MSE average over the reply positions y marks (distill_terms); "all": every position
                    counts=(lambda y, v: (float(y.sum()),) * 2) if mask is not None else None,
+                   # a step whose windows hold no reply position (on any rank) has nothing to learn: distill_terms'
+                   # empty mean is 0, and AdamW's step on that zero gradient still moved the drafter (momentum)
+                   skip_empty="no reply position" if mask is not None else None,
                    validate=lambda m, vb: validate_drafter(base, drafter, vb, cfg, device, rows=cfg.batch_size),
                    describe=f"adapting the {plan} drafter of {cfg.src} (kv={cfg.kv}, "
                    f"{f'LoRA rank {cfg.lora_rank} deltas' if cfg.lora_rank else 'suffix'} "
@@ -726,7 +736,7 @@ def _adapt(cfg: AdaptConfig, plan: Plan, hooks, base: tuple, owned: bool, finger
         result = AdaptResult(out=str(out), plan=str(plan), kv=cfg.kv, steps=res.steps, tokens=res.tokens,
                              minutes=res.elapsed_s / 60, stopped_by=res.stopped_by, extra_bytes=drafter.extra_bytes(),
                              device=held["device"], world=held["world"], rank=held["rank"], signal=res.signal,
-                             late_signal=res.late_signal)
+                             late_signal=res.late_signal, skipped_steps=res.skipped_steps)
         if held["rank"] == 0:  # one writer: rank 0 (its log and checkpoint are the run's)
             save_result(cfg, out, drafter, result, res.stopped_by, t0, init[1] if init else None)
         if held["world"] > 1 and dist.is_initialized():  # the others return once the drafter is on disk

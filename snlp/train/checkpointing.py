@@ -37,6 +37,7 @@ class ResumePoint:
     init_from: str | None = None  # the checkpoint the run's first leg started from (--init-from), kept in every save
     data_digest: str | None = None  # the digest of the tokens it trained on (Job.data_digest), where recorded
     command: str = "snlp train"  # the command whose run it is (run_command): a resume continues it as that only
+    skipped: int = 0  # steps skipped with nothing to learn from by then (Job.skip_empty)
 
 
 @dataclass
@@ -93,7 +94,8 @@ def open_run(out: Path, resume: bool, cfg: TrainConfig | None = None, world: int
     point = ResumePoint(step=st["step"], micro=st["micro"], elapsed=st.get("elapsed", 0.0),
                         tokens=int(st.get("tokens", 0)), rng=st["rng"], optimizer=opt_state["optimizer"],
                         init_from=(st.get("args") or {}).get("init_from"),
-                        data_digest=(st.get("args") or {}).get("data_digest"), command=run_command(st))
+                        data_digest=(st.get("args") or {}).get("data_digest"), command=run_command(st),
+                        skipped=int(st.get("skipped", 0)))
     return Start(model, tok, point)
 
 
@@ -201,10 +203,18 @@ def recorded_args(args: dict) -> dict:
     return out
 
 
-def trim_log(log: Path, step: int) -> None:
+def trim_log(log: Path, step: int, micro: int | None = None) -> None:
     """Drop the records of steps after `step` from a run's log.jsonl (rewritten atomically): a run killed
-    after its last save logged steps that `--resume` from that save runs, and logs, again."""
-    _keep_lines(log, lambda ln: _step(ln) is None or _step(ln) <= step)
+    after its last save logged steps that `--resume` from that save runs, and logs, again. `micro`: the saved data
+    position; the rows of skipped steps (`skipped_micro`, snlp.train.trainer.log_skip) at or past it go too, since
+    they carry the step before them and the resumed run draws, skips and logs those micro-batches again."""
+    def keep(ln: str) -> bool:
+        n = _step(ln)
+        if n is None:
+            return True
+        at = (log_record(ln) or {}).get("skipped_micro")
+        return n <= step and not (micro is not None and isinstance(at, int) and at >= micro)
+    _keep_lines(log, keep)
 
 
 def drop_validations(log: Path, step: int) -> None:

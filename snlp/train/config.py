@@ -361,6 +361,7 @@ class TrainResult:
     speed: StepSpeed | None = None  # tokens/s and MFU of this process's steps (None if it ran none)
     signal: str | None = None  # stopped_by "interrupt": the signal's name (SIGINT, SIGTERM, SIGHUP, SIGUSR1, ...)
     late_signal: str | None = None  # a signal that came after the last stop check, held (TrainHooks.pass_late_signal)
+    skipped_steps: int = 0  # steps skipped with nothing to learn from (Job.skip_empty): not in `steps` (whole run)
 
 
 @dataclass

@@ -46,6 +46,12 @@ class Job:
     # the train rows' key of the second term `loss` returns, for a job whose second term is not the regulariser (snlp
     # adapt's final-state MSE); None: the regulariser's `reg` (`reg_subset` under --reg-rows) beside its `lambda`
     second_term: str | None = None
+    # with `counts`: a step whose micro-batches hold no position to learn from (its first count 0 on every rank) is
+    # skipped before its forward: no optimizer step, no LR-schedule step, not counted as a step, the data cursor moved
+    # past it, a log row and the summary's count. This says what such a step lacks (snlp adapt --loss-on replies: "no
+    # reply position"). None: such a step is refused in one process (trainer.check_has_targets); a loss that defines
+    # the empty mean as 0 would otherwise step AdamW on a zero gradient, whose momentum still moves the weights
+    skip_empty: str | None = None
 
 
 class TrainStep(nn.Module):

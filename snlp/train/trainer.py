@@ -88,6 +88,7 @@ class LoopState:
     step: int = 0
     micro: int = 0  # micro-batches consumed: the data position
     tokens: int = 0  # input tokens processed, all ranks
+    skipped: int = 0  # steps skipped with nothing to learn from (Job.skip_empty): not in `step`, their micro in `micro`
     first_step: int = 0  # the step this process started at (> 0 when resumed)
     train_loss: float | None = None
     validation: ValidationResult | None = None
@@ -117,6 +118,7 @@ class StepStats:
     hook_reason: str | None  # rank 0's TrainHooks.should_stop answer after this step, agreed by all ranks
     step_s: float = 0.0  # the step's own seconds: its start to its statistics on the host
     mfu: float | None = None  # model FLOPs utilisation of this step (None without a known peak)
+    skipped: bool = False  # nothing to learn from on any rank (Job.skip_empty): no update, not a step
 
 
 def fit(cfg: TrainConfig, make_job: Callable[..., Job] = pretrain_job, hooks: TrainHooks | None = None) -> TrainResult:
@@ -177,7 +179,7 @@ def setup(cfg: TrainConfig, make_job, hooks: TrainHooks, ctx: DistContext) -> tu
                          f"a resumed run keeps what it trains on: put the run's text back, or start a new run from its "
                          f"weights (--init-from {cfg.out}) in another --out")
     if start.resume is not None and ctx.master:  # records of steps after the checkpoint were never saved
-        trim_log(Path(cfg.out) / "log.jsonl", start.resume.step)
+        trim_log(Path(cfg.out) / "log.jsonl", start.resume.step, start.resume.micro)
     elif ctx.master and (aside := set_aside_unsaved_log(Path(cfg.out) / "log.jsonl")) is not None:
         print(f"{cfg.out} held the log of a run that saved no checkpoint (killed before its first save): moved to "
               f"{aside}; this run logs afresh", file=sys.stderr, flush=True)
@@ -227,8 +229,8 @@ def resume(point: ResumePoint | None, opts) -> LoopState:
         return LoopState()
     load_optimizer_states(opts, point.optimizer)
     set_rng_state(point.rng)
-    return LoopState(step=point.step, micro=point.micro, tokens=point.tokens, first_step=point.step,
-                     resumed=True)
+    return LoopState(step=point.step, micro=point.micro, tokens=point.tokens, skipped=point.skipped,
+                     first_step=point.step, resumed=True)
 
 
 def announce(cfg: TrainConfig, job: Job, ctx: DistContext) -> None:
@@ -267,6 +269,9 @@ def train_loop(run: Run, state: LoopState) -> None:
                 break
         stats = train_step(run, state)
         state.stopped_by = limit_reason(run, state) or stats.hook_reason  # decided before the step is logged:
+        if stats.skipped:  # no update: nothing to log as a step, check, validate or save; the stop checks still ran
+            log_skip(run, state)
+            continue
         log_step(run, state, stats)  # a lockstep peer reads the step and the decision together
         # the optimizer has applied this step already: a non-finite gradient (an overflowing regulariser term while
         # the logged CE stays finite) has made the weights NaN, so the run stops before anything saves them
@@ -336,6 +341,11 @@ def train_step(run: Run, state: LoopState) -> StepStats:
     update at this step's LR; then the ranks agree on the clock, the hooks' stop and the statistics."""
     cfg, ctx = run.cfg, run.ctx
     t0 = time.perf_counter()
+    pending = None  # the step's micro-batches, read ahead where an empty step is skipped before any forward
+    if run.job.skip_empty is not None:
+        pending = [unpack(run.job.batch(state.micro + a, ctx.rank, ctx.world)) for a in range(cfg.grad_accum)]
+        if step_is_empty(run, pending):
+            return skip_step(run, state)
     reg = getattr(run.job.loss, "reg", None)
     lam = reg.weight(state.step) if reg is not None else 0.0
     mult = lr_multiplier(state.step, run.progress.frac, cfg.warmup_steps, cfg.warmdown)
@@ -346,7 +356,7 @@ def train_step(run: Run, state: LoopState) -> StepStats:
     reg_sum = torch.zeros((), device=ctx.device)
     n_tok = 0
     for a in range(cfg.grad_accum):
-        x, y, valid = unpack(run.job.batch(state.micro, ctx.rank, ctx.world))
+        x, y, valid = pending[a] if pending is not None else unpack(run.job.batch(state.micro, ctx.rank, ctx.world))
         state.micro += 1
         # the tokens a step trains on: a padded batch's real positions (a host-side count, the mask is still on
         # the CPU), so tokens/s and MFU do not count padding (--compile pads every SFT batch to one length)
@@ -397,6 +407,44 @@ def train_step(run: Run, state: LoopState) -> StepStats:
     return st
 
 
+def step_is_empty(run: Run, batches: list) -> bool:
+    """Whether a step's micro-batches `batches` (this rank's) hold no position to learn from on any rank: the first
+    of Job.counts summed over them, read on the host (the batches are still there), and under DDP summed over the
+    ranks (one all_reduce and one read per step, before the forward: every rank then skips or steps together)."""
+    n = sum(micro_counts(run.job, y, valid)[0] for _, y, valid in batches)
+    if run.ctx.world > 1:
+        box = torch.tensor([float(n)], dtype=torch.float64, device=run.ctx.device)
+        dist.all_reduce(box)
+        n = float(box.item())
+    return n == 0
+
+
+def skip_step(run: Run, state: LoopState) -> StepStats:
+    """A step with nothing to learn from (`step_is_empty`): its micro-batches are consumed (the data cursor, saved,
+    moves past them: a resumed run draws what an uninterrupted one draws), and nothing else moves. A loss whose empty
+    mean is 0 gives a zero gradient, on which AdamW still steps: its momentum (beta1 = 0.8) moves the weights and the
+    bias corrections of every later step change, and the LR schedule would count a step that trained nothing. The
+    ranks still agree on the clock, the hooks' stop and any signal (reduce_step, with no tokens), so a time budget and
+    a stop hold as after a trained step; the last step's train loss is kept."""
+    state.micro += run.cfg.grad_accum
+    state.skipped += 1
+    loss = state.train_loss
+    zero = torch.zeros(2, dtype=torch.float64, device=run.ctx.device)
+    st = reduce_step(run, state, zero, 0, 0.0, 0.0, None)
+    state.train_loss = loss
+    st.skipped = True
+    return st
+
+
+def log_skip(run: Run, state: LoopState) -> None:
+    """A skipped step's log.jsonl row: the trained steps so far (`step`), the micro-batch index of the skipped step's
+    first micro-batch (`skipped_micro`: a resume trims the rows of the micro-batches it draws again, trim_log), the
+    skips so far, the clock, and the run's stop when it ends here."""
+    write_log(run, {"step": state.step, "skipped_micro": state.micro - run.cfg.grad_accum, "skipped": state.skipped,
+                    "why": run.job.skip_empty, "elapsed": run.progress.elapsed,
+                    **({"stop": state.stopped_by} if state.stopped_by is not None else {})}, state.mfu)
+
+
 def micro_counts(job, y: torch.Tensor, valid: torch.Tensor | None) -> tuple[float, float] | None:
     """A micro-batch's (CE, regulariser) token counts (Job.counts; SFT's default: targets y != -1 and real positions
     `valid`), or None when its means need no weighting (no `valid` and no Job.counts: every position counts)."""
@@ -410,8 +458,8 @@ def check_has_targets(job, y: torch.Tensor, counts: tuple[float, float] | None, 
     NaN the step would apply and log (the run then stopped saying the loss diverged, lower the learning rates).
     The count is the job's (Job.counts, SFT's targets != -1), else y's entries != -1 where y is host memory (a
     device y would cost a sync per micro-batch). A job with its own counts and a loss that defines the empty mean
-    (snlp adapt's reply-weighted KL: 0) is its own judge. Under DDP the ranks' shares weigh a rank without targets
-    at 0 (train_step)."""
+    (snlp adapt's reply-weighted KL: 0) is its own judge: with Job.skip_empty a step with nothing to learn from is
+    skipped before this (`skip_step`). Under DDP the ranks' shares weigh a rank without targets at 0 (train_step)."""
     if job.counts is not None:
         return
     n = counts[0] if counts is not None else (int((y != -1).sum()) if y.device.type == "cpu" else None)
@@ -520,7 +568,7 @@ def save(run: Run, state: LoopState) -> None:
     t = time.perf_counter()
     if run.ctx.master:
         st = {"step": state.step, "micro": state.micro, "elapsed": run.progress.elapsed, "tokens": state.tokens,
-              "world": run.ctx.world, "args": run.args, **run.job.state}
+              "skipped": state.skipped, "world": run.ctx.world, "args": run.args, **run.job.state}
         save_run(run.out, run.job.model, run.job.tokenizer, run.opts, st)
     state.peer_signal = signals_so_far(run)  # the others wait for rank 0's save in this all-reduce (a barrier)
     state.t_last += time.perf_counter() - t  # not the next step's time (validate_and_log)
@@ -621,6 +669,8 @@ def finish(run: Run, state: LoopState, t_wall: float, speed: StepSpeed | None = 
     elif run.ctx.master:
         print(f"saved {run.out} after {state.step} steps, {state.tokens:,} tokens in {total:.0f}s "
               f"({state.tokens / max(total, 1e-9):,.0f} tokens/s incl. eval)" + (f" | {v}" if v else ""), flush=True)
+        if state.skipped:
+            print(skipped_line(run, state), flush=True)
         if speed is not None:
             print(speed_line(speed), flush=True)
             if speed.load is not None:  # --time-reg's rounds: one line where other work shared the cores
@@ -628,7 +678,8 @@ def finish(run: Run, state: LoopState, t_wall: float, speed: StepSpeed | None = 
     result = TrainResult(out=str(run.out), steps=state.step, tokens=state.tokens, train_loss=state.train_loss,
                          val_loss=v.loss if v else None, wall_s=time.perf_counter() - t_wall,
                          elapsed_s=run.progress.elapsed, validation=v, stopped_by=state.stopped_by or "budget",
-                         speed=speed, signal=interrupt_signal(run, state), late_signal=late_signal(run, state))
+                         speed=speed, signal=interrupt_signal(run, state), late_signal=late_signal(run, state),
+                         skipped_steps=state.skipped)
     if run.ctx.master and not (idle_resume(state) and (run.out / "train_summary.json").is_file()):
         summary = {k: val for k, val in asdict(result).items() if k not in ("validation", "speed")}
         summary["validation"] = v.record() if v else None
@@ -637,6 +688,13 @@ def finish(run: Run, state: LoopState, t_wall: float, speed: StepSpeed | None = 
         summary["mfu"] = speed.mfu if speed else None
         write_atomic(run.out / "train_summary.json", json_text(summary, indent=2) + "\n")  # strict: a NaN loss is null
     return result
+
+
+def skipped_line(run: Run, state: LoopState) -> str:
+    """The summary's line on the steps skipped with nothing to learn from (Job.skip_empty)."""
+    n = state.skipped
+    return (f"{n} step{'s' if n != 1 else ''} skipped ({run.job.skip_empty} in {'their' if n != 1 else 'its'} "
+            f"micro-batches): no update, not counted in the {state.step} steps, their data passed over")
 
 
 def late_signal(run: Run, state: LoopState) -> str | None:

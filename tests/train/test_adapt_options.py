@@ -5,6 +5,7 @@ plain mean over every position and the plain batches; a run started from a draft
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -117,6 +118,35 @@ def test_replies_loss_is_the_masked_mean_over_reply_positions_and_all_is_unchang
         rkl, rmse, n = naive_terms(held_all, b[0], None, 1.5)
         assert n == b[0].numel()
         assert abs(float(kl) - rkl) < 1e-6 * max(1, rkl) and abs(float(mse) - rmse) < 1e-6 * max(1, rmse)
+
+
+@pytest.mark.parametrize("loss_on", ["all", "replies"])
+def test_an_fp64_runs_kl_and_mse_terms_are_fp64_means(tmp_path, loss_on):
+    """An fp64 base's distillation terms (the trained loss and the validation's) are its fp64 means: the MSE of the
+    RMS-normalised final states was computed on `.float()` copies, fp32 (~1e-8 relative, its gradient too).
+    Reference: naive_terms' per-position fp64 loop."""
+    from snlp.train.adapt import validate_drafter
+
+    cfg = chat_cfg(tmp_path, loss_on=loss_on)
+    job, held, _ = build_job(cfg)
+    perturb_suffix(held["drafter"])
+    x, w = job.batch(0, 0, 1)
+    _, kl, mse = job.loss(x, w, 0.0)
+    assert kl.dtype == mse.dtype == torch.float64
+    rkl, rmse, n = naive_terms(held, x, w.tolist() if loss_on == "replies" else None, cfg.tau)
+    assert n > 0
+    assert abs(float(kl) - rkl) <= 1e-12 * rkl and abs(float(mse) - rmse) <= 1e-12 * rmse
+    v = validate_drafter(held["base"], held["drafter"], [(x, None)], cfg, "cpu")
+    vkl, vmse, _ = naive_terms(held, x, None, cfg.tau)
+    assert abs(v.loss - vkl) <= 1e-12 * vkl and abs(v.mse - vmse) <= 1e-12 * vmse
+
+
+def perturb_suffix(drafter, scale: float = 0.05):
+    """Move the drafter's suffix off the base's (an unadapted drafter's final states are close to the base's)."""
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for v in drafter.suffix_state().values():
+            v.add_(torch.randn(v.shape, generator=gen, dtype=v.dtype) * scale)
 
 
 def test_replies_mask_of_self_distilled_rows_marks_the_base_replies(tmp_path):
@@ -474,3 +504,206 @@ def test_a_callers_base_has_its_fd_eps_checked_in_its_own_dtype(tmp_path):
     with pytest.raises(ValueError, match=r"eps:0.01 is below the smallest FD step of the compute dtype bfloat16"):
         adapt(cfg16, base=(load(tmp_path / "base", dtype=torch.bfloat16)[0], tok))
     assert not out.exists()
+
+
+# ------------------------------------------------------------------------------ steps with no reply position
+def sparse_replies_cfg(tmp_path, out="d", **kw):
+    """--loss-on replies on chats of 10-token prompts and 1-token replies, in windows of 4 positions, one per step, at
+    a seed whose first micro-batch and some later ones hold no reply position (found here from the hand-written
+    reply mask): (the config, the training stream, its naive reply mask, the micro-batches with no reply position
+    among the first 12)."""
+    from snlp.train.adapt import AdaptConfig, token_stream
+
+    base, _, _ = tiny_ckpt(tmp_path)
+    chats = tmp_path / "long_prompts.jsonl"
+    chats.write_text("\n".join(json.dumps({"messages": [
+        {"role": "user", "content": " ".join(f"t{(i + k) % 90}" for k in range(10))},
+        {"role": "assistant", "content": f"t{5 * i % 90}"}]}) for i in range(40)))
+    cfg = dict(src=str(base), plan="2xF1-h0-K1", out=str(tmp_path / out), data=f"chat:{chats}", steps=4, seq_len=4,
+               batch_size=1, lr=3e-3, eval_every=100, eval_batches=1, save_every=0, no_progress=True, warmup_steps=0,
+               warmdown=0.0, loss_on="replies")
+    cfg.update(kw)
+    _, tok = load(base)
+    train, _ = token_stream(cfg["data"], tok, 0, 0.05)
+    mask = np.asarray(naive_reply_mask(train.tolist(), tok))
+
+    def empty(seed):
+        return [m for m in range(12) if not D.batch_at(mask, m, 4, cfg["batch_size"], seed)[1].any()]
+    # micro 0 empty (the first step has nothing to learn), micro 1 not, and an empty one between trained ones
+    seed = next(s for s in range(1000) if empty(s)[:1] == [0] and 1 not in empty(s) and 2 not in empty(s)
+                and 3 in empty(s))
+    return AdaptConfig(**{"seed": seed, **cfg}), train, mask, empty(seed)
+
+
+def test_a_step_without_reply_positions_is_skipped_and_the_run_equals_a_naive_fp64_loop_that_skips_it(tmp_path):
+    """A step whose windows hold no reply position has a 0 loss and a zero gradient (distill_terms' empty mean), on
+    which AdamW stepped all the same: its momentum moved the drafter, its step count changed every later bias
+    correction, and the step counted against --steps. Reference: a hand-written fp64 loop (per-position KL and MSE,
+    gradient clipping, AdamW's update written out) over the micro-batches that hold a reply position, skipping the
+    others; the run takes --steps trained steps, logs each skipped one and counts them."""
+    from snlp.method.drafter import make_drafter, suffix_parameters
+    from snlp.model.ops import norm
+    from snlp.train.adapt import adapt, student, teacher
+
+    cfg, train, mask, empty = sparse_replies_cfg(tmp_path, dtype="float64")
+    res = adapt(cfg)
+    got = load_file_tensors(tmp_path / "d" / "drafter.safetensors")
+
+    base, _ = load(cfg.src, dtype=torch.float64)
+    base.requires_grad_(False)
+    d = make_drafter(base, cfg.plan)
+    names = list(d.suffix_state())
+    params = suffix_parameters(d)
+    for p in params:
+        p.requires_grad_(True)
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    b1, b2, eps = 0.8, 0.95, 1e-10
+    t = micro = 0
+    skipped = []
+    while t < cfg.steps:
+        x, w = D.batch_at(train, micro, cfg.seq_len, 1, cfg.seed)[0], D.batch_at(mask, micro, cfg.seq_len, 1,
+                                                                                   cfg.seed)[1]
+        micro += 1
+        pos = [(b, i) for b in range(w.shape[0]) for i in range(w.shape[1]) if w[b, i]]
+        if not pos:
+            skipped.append(micro - 1)
+            continue
+        hS, hL_t, lg_t, kvx, hb = teacher(base, x, d.plan, cfg.kv)
+        hL_s = student(d, x, hS, kvx, cfg.kv, hb)
+        lg_s = d.model.head(hL_s)
+        loss = 0
+        for b, i in pos:
+            p_t = torch.softmax(lg_t[b, i] / cfg.tau, -1)
+            loss = loss + cfg.kl_weight * (p_t * (p_t.log() - torch.log_softmax(lg_s[b, i] / cfg.tau, -1))).sum() \
+                * cfg.tau ** 2
+            diff = norm(hL_s[b, i]) - norm(hL_t[b, i])
+            loss = loss + cfg.hidden_weight * (diff * diff).mean()
+        grads = torch.autograd.grad(loss / len(pos), params)
+        total = torch.sqrt(sum((g * g).sum() for g in grads))
+        coef = min(1.0, cfg.grad_clip / (float(total) + 1e-6))
+        t += 1
+        with torch.no_grad():
+            for p, g, mi, vi in zip(params, grads, m, v):
+                g = g * coef
+                mi.mul_(b1).add_(g, alpha=1 - b1)
+                vi.mul_(b2).addcmul_(g, g, value=1 - b2)
+                p.sub_(cfg.lr / (1 - b1 ** t) * mi / ((vi / (1 - b2 ** t)).sqrt() + eps))
+    assert skipped[:1] == [0] and len(skipped) >= 2 and skipped == empty[:len(skipped)]
+    want = dict(zip(names, (p.detach() for p in params)))
+    moved = max(float((want[k] - base.state_dict()[k]).abs().max()) for k in names)
+    assert moved > 1e-3
+    for k in names:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-12 * max(1.0, moved)), k
+    assert res.steps == cfg.steps and res.skipped_steps == len(skipped)
+    rows = [json.loads(ln) for ln in (tmp_path / "d" / "log.jsonl").read_text().splitlines()]
+    assert [r["skipped_micro"] for r in rows if "skipped_micro" in r] == skipped
+    assert [r["step"] for r in rows if "loss" in r] == [1, cfg.steps]  # (log_every 10: step 1 and the last)
+    rec = json.loads((tmp_path / "d" / "drafter.json").read_text())["record"]
+    assert rec["steps"] == cfg.steps and rec["skipped_steps"] == len(skipped)
+
+
+def load_file_tensors(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def test_a_run_killed_after_a_skipped_step_resumes_to_the_uninterrupted_run(tmp_path):
+    """Resume stays exact across skipped steps: a run that dies right after logging a skipped step (the checkpoint
+    of the trained step before it on disk, the skip's micro-batch not in it) and is resumed writes the drafter, the
+    skip count and the log rows (times aside) of the uninterrupted run: the resumed leg draws the skipped micro-batch
+    again, skips it again, and its row is not logged twice."""
+    from safetensors.torch import load_file
+
+    from snlp.train.adapt import adapt
+    from snlp.train.hooks import TrainHooks
+
+    cfg, _, _, empty = sparse_replies_cfg(tmp_path, out="a", save_every=1)
+    one = adapt(cfg)
+    calls: dict = {}
+    armed = []
+
+    def crash(step):  # should_stop: asked after every step, a skipped one too
+        if armed:
+            raise RuntimeError("killed")
+        calls[step] = calls.get(step, 0) + 1
+        if step >= 1 and calls[step] == 2:  # the first skip after a trained (and saved) step: let its row out
+            armed.append(step)
+        return None
+
+    b = dataclasses.replace(cfg, out=str(tmp_path / "b"))
+    with pytest.raises(RuntimeError, match="killed"):
+        adapt(b, TrainHooks(should_stop=crash))
+    logged = [json.loads(ln) for ln in (tmp_path / "b" / "run" / "log.jsonl").read_text().splitlines()]
+    assert logged[-1]["step"] == armed[0] and "skipped_micro" in logged[-1]  # the killed leg's last row: a skip
+    two = adapt(dataclasses.replace(b, resume=True))
+    assert (two.steps, two.skipped_steps) == (one.steps, one.skipped_steps) and one.skipped_steps >= 2
+    wa, wb = (load_file(str(tmp_path / x / "drafter.safetensors")) for x in ("a", "b"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    clock = {"elapsed", "tok_s", "step_s", "mfu"}
+    rows = [[{k: v for k, v in json.loads(ln).items() if k not in clock}
+             for ln in (tmp_path / x / "log.jsonl").read_text().splitlines()] for x in ("a", "b")]
+    assert rows[0] == rows[1]
+    assert [r["skipped_micro"] for r in rows[0] if "skipped_micro" in r] == empty[:one.skipped_steps]
+
+
+def _ddp_adapt_rank(rank, world, port, cfg):
+    from conftest import init_gloo
+    from snlp.train.adapt import adapt
+
+    init_gloo(rank, world, port)
+    res = adapt(cfg)
+    assert (res.world, res.steps) == (world, cfg.steps)
+
+
+@pytest.mark.slow  # two spawned gloo ranks
+def test_under_ddp_a_skipped_step_is_every_ranks_and_a_rank_without_replies_weighs_nothing(tmp_path):
+    """Two gloo ranks of one window each train the drafter of one process of two windows (fp64, to rounding), at a
+    seed whose first global micro-batch holds no reply position (both ranks skip it together: one all_reduce of the
+    count) and whose later ones include some where one rank's window holds none and the other's some (that rank's
+    share is 0: the step is the other window's reply mean, as the one process computes it)."""
+    from safetensors.torch import load_file
+
+    from conftest import spawn_ranks
+    from snlp.train.adapt import adapt
+
+    cfg, _, mask, _ = sparse_replies_cfg(tmp_path, out="one", batch_size=2, steps=5, dtype="float64", device="cpu")
+
+    def replies(seed, micro):  # reply positions in each of the global micro-batch's two windows
+        return D.batch_at(mask, micro, cfg.seq_len, 2, seed)[1].sum(1).tolist()
+    seed = next(s for s in range(1000) if replies(s, 0) == [0, 0]
+                and any(0 in replies(s, m) and sum(replies(s, m)) > 0 for m in range(1, 4)))
+    one = adapt(dataclasses.replace(cfg, seed=seed))
+    assert one.skipped_steps >= 1
+    spawn_ranks(_ddp_adapt_rank, 2, dataclasses.replace(cfg, seed=seed, batch_size=1, out=str(tmp_path / "two")))
+    wa, wb = (load_file(str(tmp_path / x / "drafter.safetensors")) for x in ("one", "two"))
+    base = load_file(str(tmp_path / "base" / "model.safetensors"))
+    moved = max(float((wa[k] - base[k]).abs().max()) for k in wa)
+    assert moved > 1e-3
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], atol=moved * 1e-10, rtol=0), k
+    rec = json.loads((tmp_path / "two" / "drafter.json").read_text())["record"]
+    assert (rec["world"], rec["steps"], rec["skipped_steps"]) == (2, cfg.steps, one.skipped_steps)
+
+
+def test_cli_says_how_many_steps_were_skipped(tmp_path, capsys):
+    """`snlp adapt`'s summary says the skipped steps beside the trained ones, the trainer's line says why, and
+    --json records the count; the count is the micro-batches without a reply position before the last trained one
+    (the hand-written mask's)."""
+    from snlp.apps.cli import main
+
+    cfg, _, mask, _ = sparse_replies_cfg(tmp_path)
+    trained = micro = 0
+    skipped = 0
+    while trained < cfg.steps:
+        has = D.batch_at(mask, micro, cfg.seq_len, cfg.batch_size, cfg.seed)[1].any()
+        trained, skipped, micro = trained + bool(has), skipped + (not has), micro + 1
+    assert skipped >= 2
+    assert main(["adapt", cfg.src, "--plan", cfg.plan, "--data", cfg.data, "--out", cfg.out, "--steps", str(cfg.steps),
+                 "--seq-len", str(cfg.seq_len), "--batch-size", "1", "--seed", str(cfg.seed), "--loss-on", "replies",
+                 "--eval-every", "100", "--save-every", "0", "--no-progress", "--json", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert f"{skipped} steps skipped (no reply position in their micro-batches)" in out
+    assert f": {cfg.steps} steps (+{skipped} skipped: no reply position)," in out
+    assert json.loads((tmp_path / "r.json").read_text())["skipped_steps"] == skipped
