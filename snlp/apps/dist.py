@@ -258,10 +258,14 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
             record["matches_sequential"] = None if args.temperature > 0 else \
                 all(r.tokens == res.tokens for r in [base, *(x for p in rounds for x in p)])
             record["repeats"] = len(rounds)
-            record["pipeline_sequential_tokens_per_s"] = med([s.tokens_per_s for s, _ in rounds])
-            record["speculative_tokens_per_s"] = med([p.tokens_per_s for _, p in rounds])
-            record["measured_speedup"] = med([p.tokens_per_s / s.tokens_per_s for s, p in rounds])
-            ratios = [p.tokens_per_s / s.tokens_per_s for s, p in rounds]
+            # every timed run of each side and each round's paired ratio, in round order: the medians and the
+            # verdict below are recomputable from the record
+            record["pipeline_sequential_tokens_per_s_runs"] = [s.tokens_per_s for s, _ in rounds]
+            record["speculative_tokens_per_s_runs"] = [p.tokens_per_s for _, p in rounds]
+            ratios = record["speedup_rounds"] = [p.tokens_per_s / s.tokens_per_s for s, p in rounds]
+            record["pipeline_sequential_tokens_per_s"] = med(record["pipeline_sequential_tokens_per_s_runs"])
+            record["speculative_tokens_per_s"] = med(record["speculative_tokens_per_s_runs"])
+            record["measured_speedup"] = med(ratios)
             record["speedup_verdict"] = paired_verdict(ratios)[0]
             record["speedup_range"] = [min(ratios), max(ratios)]
             # as snlp.apps.generate: the streamed run's rate ran once at its own moment's load; the warm medians
