@@ -245,3 +245,22 @@ def test_a_signal_in_the_programs_teardown_keeps_the_finished_runs_status(tmp_pa
                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()})
     assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
     assert json.loads(out.read_text())[0]["plan"] == "sequential"
+
+
+def test_bench_decode_json_keeps_the_steps_behind_s(tmp_path):
+    """bench --decode's s is median(sequential step) / median(drafter step) over the timed runs, but its record kept
+    the two medians and the paired per-run ratios only: the runs' steps now stand in the JSON, and s and both medians
+    recompute from them."""
+    from statistics import median
+
+    out = tmp_path / "d.json"
+    assert main(["bench", *TINY, "--decode", "--new-tokens", "4", "--prompt-len", "4", "--plans", "2xF1-h0-K1",
+                 "--blocks", "2", "--json", str(out)]) == 0
+    spec = [r for r in json.loads(out.read_text()) if r["mode"] == "speculative"]
+    assert len(spec) == 1
+    r = spec[0]
+    seq, draft = r["sequential_ms_per_step_runs"], r["drafter_ms_per_step_runs"]
+    assert len(seq) == len(draft) == 3
+    assert (median(seq), median(draft)) == pytest.approx((r["sequential_ms_per_step"], r["drafter_ms_per_step"]))
+    assert r["drafter_speedup_s"] == pytest.approx(median(seq) / median(draft))
+    assert r["drafter_speedup_rounds"] == pytest.approx([a / b for a, b in zip(seq, draft)])
