@@ -501,8 +501,30 @@ def unrecognized(sub: argparse.ArgumentParser, extra: list[str], argv: list[str]
     return f"unrecognized arguments: {' '.join(extra)}{hint}; `{sub.prog} --help` lists its options"
 
 
+def ignore_late_signals() -> None:
+    """After a command run as the program (`snlp ...`, `python -m snlp ...`) returned 0, the interpreter's teardown
+    (torch's and transformers' finalisers: 1.5-2.5 s after the decode suite) still runs, and a SIGTERM, SIGHUP,
+    SIGUSR1/2 or Ctrl-C then took its default action: status 128 + signum for a run whose files were all written
+    complete, which a requeue script reruns. A Python handler cannot answer it there (the interpreter restores the
+    default action of every signal it handled before its last, native teardown, and runs no Python code after),
+    but an ignored signal stays ignored, so the finished run exits 0."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():  # signal.signal is the main thread's alone
+        return
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv is None:  # the program itself (not a library or test call): a signal in its teardown keeps the status
+        rc = main(sys.argv[1:])
+        if rc == 0:
+            ignore_late_signals()
+        return rc
+    argv = list(argv)
     parser = build_parser(command_of(argv))
     argv = attach_negative_values(parser, argv)
     # under torchrun every rank parses the same flags: argparse's refusal (usage and error) is said by each node's

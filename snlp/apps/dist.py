@@ -258,10 +258,14 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
             record["matches_sequential"] = None if args.temperature > 0 else \
                 all(r.tokens == res.tokens for r in [base, *(x for p in rounds for x in p)])
             record["repeats"] = len(rounds)
-            record["pipeline_sequential_tokens_per_s"] = med([s.tokens_per_s for s, _ in rounds])
-            record["speculative_tokens_per_s"] = med([p.tokens_per_s for _, p in rounds])
-            record["measured_speedup"] = med([p.tokens_per_s / s.tokens_per_s for s, p in rounds])
-            ratios = [p.tokens_per_s / s.tokens_per_s for s, p in rounds]
+            # every timed run of each side and each round's paired ratio, in round order: the medians and the
+            # verdict below are recomputable from the record
+            record["pipeline_sequential_tokens_per_s_runs"] = [s.tokens_per_s for s, _ in rounds]
+            record["speculative_tokens_per_s_runs"] = [p.tokens_per_s for _, p in rounds]
+            ratios = record["speedup_rounds"] = [p.tokens_per_s / s.tokens_per_s for s, p in rounds]
+            record["pipeline_sequential_tokens_per_s"] = med(record["pipeline_sequential_tokens_per_s_runs"])
+            record["speculative_tokens_per_s"] = med(record["speculative_tokens_per_s_runs"])
+            record["measured_speedup"] = med(ratios)
             record["speedup_verdict"] = paired_verdict(ratios)[0]
             record["speedup_range"] = [min(ratios), max(ratios)]
             # as snlp.apps.generate: the streamed run's rate ran once at its own moment's load; the warm medians
@@ -335,7 +339,7 @@ class DistPrefillRow(DistBenchRow):
     h_S_broadcast_ms: float  # what replicating the prefix would save
     prefix_ms_rank0: float  # ... and what it costs
     # the two sides are timed one loop after the other, not paired: the speedup's noise is the range their p10-p90
-    # spreads allow (snlp.bench.stats.spread_verdict), a tie where it holds 1
+    # spreads allow, a tie where it holds 1 or where the rank-sum test does not resolve it (stats.unpaired_verdict)
     pipeline_sequential_times_ms: list[float] | None = None
     snlp_times_ms: list[float] | None = None
     speedup_lo: float | None = None
@@ -375,15 +379,13 @@ class DistDecodeRow(DistBenchRow):
 def dist_bench_row(rec: dict, **context) -> DistPrefillRow | DistDecodeRow:
     """A distributed_benchmark record (a dict, keyed by `what`) as its typed row, with rank 0's context and its
     speedup's noise verdict: the spreads rule for prefill (its sides are not paired), the sign test for decode."""
-    from snlp.bench.stats import p10_p90, paired_fields, spread_verdict
+    from snlp.bench.stats import paired_fields, unpaired_verdict
 
     cls = DistPrefillRow if rec["what"] == "prefill" else DistDecodeRow
     row = cls(**{k: v for k, v in rec.items() if k != "what"}, **context)
     if isinstance(row, DistPrefillRow) and row.pipeline_sequential_times_ms and row.snlp_times_ms:
-        row.speedup_lo, row.speedup_hi, row.speedup_tie = spread_verdict(*p10_p90(row.pipeline_sequential_times_ms),
-                                                                         *p10_p90(row.snlp_times_ms),
-                                                                         len(row.pipeline_sequential_times_ms),
-                                                                         len(row.snlp_times_ms))
+        row.speedup_lo, row.speedup_hi, row.speedup_tie = unpaired_verdict(row.pipeline_sequential_times_ms,
+                                                                           row.snlp_times_ms)
     if isinstance(row, DistDecodeRow) and row.ms_per_token_runs and row.mode != "sequential":
         for k, v in paired_fields("speedup", [a / b for a, b in zip(row.sequential_ms_per_token_runs,
                                                                     row.ms_per_token_runs)]).items():
@@ -467,15 +469,22 @@ def run_bench(args, spec: ModelSpec, unread_flags) -> int:
 
 
 def prefill_line(world: int, r: DistPrefillRow) -> str:
-    """A prefill row's line. Its speedup is a tie where the p10-p90 spreads' range holds 1, or where each side has
-    too few timings for separated spreads to mean a difference (snlp.bench.stats.spread_verdict): the line says
-    which, since a range clear of 1 read beside "tie" looks like a contradiction."""
+    """A prefill row's line. Its speedup is a tie where the p10-p90 spreads' range holds 1, or where the rank-sum
+    test over the two sides' timings does not resolve it (snlp.bench.stats.unpaired_verdict; with too few runs a side
+    it never can): the line says which, since a range clear of 1 read beside "tie" looks like a contradiction."""
+    from snlp.bench.stats import SIGN_LEVEL, rank_sum_p, separation_p
+
     spread = ""
     if r.speedup_lo is not None:
         spread = f", p10-p90 spreads allow {r.speedup_lo:.2f}-{r.speedup_hi:.2f}x"
-        if r.speedup_tie:
-            spread += ": tie" if r.speedup_lo <= 1.0 <= r.speedup_hi else \
-                f": tie, {r.runs} runs a side are too few for separated spreads to tell a difference"
+        if r.speedup_tie and not r.speedup_lo <= 1.0 <= r.speedup_hi:
+            n, m = len(r.pipeline_sequential_times_ms or ()), len(r.snlp_times_ms or ())
+            spread += (f": tie, {r.runs} runs a side are too few for separated spreads to tell a difference"
+                       if separation_p(n, m) >= SIGN_LEVEL else
+                       f": tie, the rank-sum test over the {n} and {m} runs does not resolve it (p = "
+                       f"{rank_sum_p(r.pipeline_sequential_times_ms, r.snlp_times_ms):.2f})")
+        elif r.speedup_tie:
+            spread += ": tie"
     return (f"[{n_ranks(world)}] {r.plan} prefill T={r.tokens} B={r.batch}: pipelined sequential "
             f"{r.pipeline_sequential_ms:.2f} ms, distributed SNLP {r.snlp_ms:.2f} ms "
             f"({r.speedup:.2f}x{spread}); max rank memory {r.max_rank_bytes / 1e6:.1f} MB")

@@ -68,6 +68,10 @@ class DecodeRow:
     drafter_speedup_wins: int | None = None  # runs whose drafter step beat sequential's / lost to it
     drafter_speedup_losses: int | None = None
     drafter_speedup_p: float | None = None  # the two-sided sign test's p over drafter_speedup_rounds
+    # speculative rows: each timed run's median single-token step, in run order, of the drafter and of the
+    # sequential model (the same runs' steps): drafter_ms_per_step, sequential_ms_per_step and s are their medians'
+    drafter_ms_per_step_runs: list[float] | None = None
+    sequential_ms_per_step_runs: list[float] | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -210,6 +214,8 @@ def _rows(model: GPT, results: dict, seq, drafts: dict, syncs: dict | None, comm
             row.alpha, row.tokens_per_round = pooled_alpha(rs), tokens_per_round
             row.alpha_runs = [pooled_alpha([x]) for x in rs]
             row.drafter_ms_per_step, row.sequential_ms_per_step = draft_ms, seq_step_ms
+            row.drafter_ms_per_step_runs = [x.draft_ms_per_step for x in rs]
+            row.sequential_ms_per_step_runs = [q.ms_per_step for q in results[key0]]
             row.ideal_ssd_speedup = ideal_ssd_speedup(row.alpha, b, row.drafter_speedup_s)
         rows.append(row)
     return rows

@@ -17,8 +17,9 @@ runs out of device memory is recorded as such and the others still run.
 
 Noise: each row keeps its timed steps' p10-p90 (`step_ms_p10` / `step_ms_p90`, and every step in `step_ms_timed`),
 and each ratio (compiled / eager tokens/s, regularised / plain step time) carries the range the two rows' spreads
-allow (`ratio_spreads`: lowest = the ratio of the two rows' opposite ends); a range that contains 1 is reported
-as a tie, not as a speedup or an overhead. The variants run one after another (each its own model), so the
+allow (`ratio_spreads`: lowest = the ratio of the two rows' opposite ends); a range that contains 1, or timed steps
+that the exact rank-sum test does not tell apart at 5 % (stats.unpaired_verdict), is reported as a tie, not as a
+speedup or an overhead. The variants run one after another (each its own model), so the
 spreads hold the noise within a variant, not a drift of the machine between variants: on a shared host time
 steps round-robin instead (docs/records).
 
@@ -41,7 +42,7 @@ from pathlib import Path
 import torch
 
 from snlp.bench.records import markdown_table, write_json
-from snlp.bench.stats import spread_verdict
+from snlp.bench.stats import spread_verdict, unpaired_verdict
 from snlp.bench.suite import PAPER_SHAPES, SHAPE_KEYS, TREATMENTS, Shape
 from snlp.model.gpt import GPT
 from snlp.runtime.device import device_label, write_atomic
@@ -192,8 +193,11 @@ class TrainBenchResult:
         out = {}
 
         def add(name: str, num: TrainBenchRow, den: TrainBenchRow) -> None:  # num / den of step times
-            lo, hi, tie = spread_verdict(num.step_ms_p10, num.step_ms_p90, den.step_ms_p10, den.step_ms_p90,
-                                         len(num.step_ms_timed or ()) or num.steps, len(den.step_ms_timed or ()) or den.steps)
+            if num.step_ms_timed and den.step_ms_timed:  # the steps themselves: the rank-sum test decides
+                lo, hi, tie = unpaired_verdict(num.step_ms_timed, den.step_ms_timed)
+            else:  # a record that kept only the spreads
+                lo, hi, tie = spread_verdict(num.step_ms_p10, num.step_ms_p90, den.step_ms_p10, den.step_ms_p90,
+                                             num.steps, den.steps)
             out[name] = {"ratio": num.step_ms / den.step_ms, "lo": lo, "hi": hi, "tie": tie}
 
         for reg in self.config.regs:
@@ -243,7 +247,7 @@ class TrainBenchResult:
         if spreads:
             lines += ["", " | ".join(f"{k} {v['ratio']:.2f}x ({v['lo']:.2f}-{v['hi']:.2f}"
                                      + ((": tie, inside the spreads)" if v["lo"] <= 1.0 <= v["hi"] else
-                                         ": tie, too few steps to tell the spreads apart)") if v["tie"] else ")")
+                                         ": tie, the steps' rank-sum test does not resolve it)") if v["tie"] else ")")
                                      for k, v in spreads.items())]
         return "\n".join(lines) + "\n"
 

@@ -300,4 +300,12 @@ def test_distributed_generates_timed_pair_rotates_and_pairs(one_rank, monkeypatc
     rec = json.loads(out.read_text())
     assert rec["repeats"] == 5 and rec["speedup_range"] == pytest.approx([3.0, 3.0], rel=1e-12)
     assert rec["measured_speedup"] == pytest.approx(3.0, rel=1e-12)
+    # the record keeps every timed run of both sides and the paired ratios, so its medians and verdict can be
+    # recomputed from it (it kept the range alone)
+    from statistics import median
+
+    seq, spec = rec["pipeline_sequential_tokens_per_s_runs"], rec["speculative_tokens_per_s_runs"]
+    assert len(seq) == len(spec) == 5 and rec["speedup_rounds"] == pytest.approx([b / a for a, b in zip(seq, spec)])
+    assert (median(seq), median(spec), median(rec["speedup_rounds"])) == pytest.approx(
+        (rec["pipeline_sequential_tokens_per_s"], rec["speculative_tokens_per_s"], rec["measured_speedup"]))
     assert torch.distributed.is_initialized() is False

@@ -338,3 +338,75 @@ def test_the_spreads_rule_calls_separated_spreads_over_too_few_timings_a_tie():
             mannwhitneyu(a, b, method="exact").pvalue < 0.05
         assert spread_verdict(*p10_p90(b), *p10_p90(a), n, n)[2] is tie
         assert spread_verdict(*p10_p90(b), *p10_p90(a))[2] is False  # no counts: the spreads alone
+
+
+def test_rank_sum_p_is_the_exact_mann_whitney_p():
+    """rank_sum_p against two outside references: scipy's exact Mann-Whitney p, and a naive count over every split
+    of the pooled timings into sides of n and m (the null distribution the exact test is defined by)."""
+    import itertools
+    import random
+
+    from scipy.stats import mannwhitneyu
+
+    from snlp.bench.stats import rank_sum_p, separation_p
+
+    rng = random.Random(0)
+    for n, m in ((1, 1), (1, 4), (3, 3), (4, 4), (5, 3), (6, 7)):
+        for _ in range(5):
+            a = [rng.random() + rng.choice((0.0, 0.5)) for _ in range(n)]
+            b = [rng.random() for _ in range(m)]
+            assert rank_sum_p(a, b) == pytest.approx(mannwhitneyu(a, b, alternative="two-sided", method="exact").pvalue,
+                                                     abs=1e-12)
+            pooled, u = a + b, sum(x > y for x in a for y in b)
+            us = [sum(pooled[i] > pooled[j] for i in s for j in range(n + m) if j not in s)
+                  for s in itertools.combinations(range(n + m), n)]
+            naive = 2 * min(sum(v <= u for v in us), sum(v >= u for v in us)) / len(us)
+            assert rank_sum_p(a, b) == pytest.approx(min(1.0, naive), abs=1e-12)
+    assert rank_sum_p([2.0] * 4, [1.0] * 4) == pytest.approx(separation_p(4, 4))
+    assert rank_sum_p([], [1.0]) == 1.0
+
+
+SEQ4, SNLP4 = [10.0, 10.1, 12.0, 12.0], [5.0, 5.0, 5.0, 10.2]  # p10-p90 apart (10.03 > 8.64), two pairs the other way
+
+
+def test_separated_p10_p90_spreads_over_overlapping_timings_are_a_tie():
+    """bench --distributed's prefill and --suite train called a lead wherever the two sides' p10-p90 spreads were
+    apart and each side had 4 timings or more (the p = 0.029 of min-max ranges that do not overlap). But p10-p90
+    spreads can part while the timings overlap: here two of the 16 pairs go the other way and the exact rank-sum p
+    is 0.11, a tie at 5 %; the verdict now comes from the timings."""
+    from scipy.stats import mannwhitneyu
+
+    from snlp.apps.dist import dist_bench_row, prefill_line
+    from snlp.bench.stats import p10_p90, spread_verdict, unpaired_verdict
+
+    assert mannwhitneyu(SEQ4, SNLP4, method="exact").pvalue > 0.05
+    assert spread_verdict(*p10_p90(SEQ4), *p10_p90(SNLP4), 4, 4)[2] is False  # the spreads alone: apart
+    assert unpaired_verdict(SEQ4, SNLP4) == (*spread_verdict(*p10_p90(SEQ4), *p10_p90(SNLP4))[:2], True)
+    assert unpaired_verdict([2.0] * 4, [1.0] * 4)[2] is False  # every timing apart: p = 0.029
+    rec = dict(what="prefill", plan="4xF1-h0-K1", world_size=2, tokens=4, batch=1, runs=4,
+               chunks_per_rank=[[0, 2], [2, 4]], max_rank_bytes=1, memory_per_rank=[], pipeline_sequential_ms=11.05,
+               snlp_ms=5.0, speedup=2.21, h_S_broadcast_ms=0.1, prefix_ms_rank0=0.0,
+               pipeline_sequential_times_ms=SEQ4, snlp_times_ms=SNLP4)
+    row = dist_bench_row(rec, loadavg=[], pinned=False, threads=1)
+    assert row.speedup_tie is True
+    assert "tie, the rank-sum test over the 4 and 4 runs does not resolve it (p = 0.11)" in prefill_line(2, row)
+
+
+def test_train_bench_ratios_tie_where_the_steps_overlap():
+    """--suite train's ratio_spreads: the same rule over each row's timed steps (step_ms_timed)."""
+    from snlp.bench.stats import p10_p90
+    from snlp.bench.train import TrainBenchConfig, TrainBenchResult, TrainBenchRow
+
+    def row(treatment, steps):
+        p10, p90 = p10_p90(steps)
+        return TrainBenchRow(shape="0.5B", treatment=treatment, reg="none", reg_n=[], n_layer=2, n_embd=64, params=1,
+                             batch=1, seq_len=8, tokens_per_step=8, steps=len(steps), warmup=1,
+                             step_ms=statistics.median(steps), step_ms_p10=p10, step_ms_p90=p90,
+                             step_ms_timed=list(steps), tokens_per_s=8e3 / statistics.median(steps))
+
+    res = TrainBenchResult(config=TrainBenchConfig(quick=True, regs=("none",)), meta={},
+                           rows=[row("eager", SEQ4), row("compiled", SNLP4)])
+    sp = res.ratio_spreads()["compiled_speedup_none"]
+    assert sp["lo"] > 1.0 and sp["tie"] is True
+    res.rows[1] = row("compiled", [5.0] * 4)
+    assert res.ratio_spreads()["compiled_speedup_none"]["tie"] is False
