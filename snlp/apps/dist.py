@@ -144,8 +144,6 @@ def run_generate(args) -> int:
     from snlp.apps.generation_defaults import check_penalty_flag
 
     check_penalty_flag(getattr(args, "repetition_penalty", None))
-    if args.eos_id is not None and args.eos_id < 0:
-        raise ValueError(f"--eos-id must be a token id >= 0 (got {args.eos_id})")
     from snlp.io.source import check_source
 
     check_source(args.ckpt, "checkpoint", hub=False)  # one line, with the closest names
@@ -158,12 +156,12 @@ def run_generate(args) -> int:
     check_fd_step(Plan.parse(args.plan), RankCheckpoint(args.ckpt).meta_model().wte.weight.dtype, "meta")
     if RankCheckpoint(args.ckpt).tokenizer() is None:  # as snlp.apps.generate.run, before any rank reads weights
         raise ValueError(f"checkpoint {args.ckpt} has no tokenizer; save it with one to use `snlp generate`")
-    if args.eos_id is not None:  # an id the model can never generate: as snlp.apps.generate.run, from the config
+    if args.eos_id:  # an id the model can never generate: as snlp.apps.generate.run, from the config
         from snlp.decode.session import stop_set
         from snlp.io.checkpoint import is_snlp_checkpoint, load_config
 
         if is_snlp_checkpoint(args.ckpt):
-            stop_set(args.eos_id, load_config(args.ckpt).vocab_size)
+            stop_set(args.eos_id if len(args.eos_id) > 1 else args.eos_id[0], load_config(args.ckpt).vocab_size)
     return _run_ranked("generate", args, lambda rank, world, device, cores: _run_generate_ranked(args, rank, world,
                                                                                                  device, cores))
 
@@ -187,12 +185,13 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
                              repetition_penalty=penalty, penalty_given=given)
         if note:
             print(note, file=sys.stderr)
-    eos_id = args.eos_id
-    if getattr(args, "chat", False):  # as snlp.apps.generate.run: the chat template, and stop at its EOS
-        prompt = tok.chat_prompt([{"role": "user", "content": args.prompt}])
-        eos_id = (list(tok.chat_stop_ids) or None) if eos_id is None else eos_id
-    else:
-        prompt = tok.prompt_ids(args.prompt)
+    from snlp.apps.generation_defaults import stop_ids_and_source
+
+    # as snlp.apps.generate.prompt_ids: the chat template or the text, stopping at --eos-id's ids, else the model's
+    chat = getattr(args, "chat", False)
+    prompt = tok.chat_prompt([{"role": "user", "content": args.prompt}]) if chat else tok.prompt_ids(args.prompt)
+    stops = stop_ids_and_source(args.eos_id, tok, chat)
+    eos_id = stops[0] or None
     if rank == 0:  # snlp.apps.generate.run's notes: an empty prompt, a decode reaching past the trained context
         from snlp.apps.common import warn_causal_idle
         from snlp.apps.streaming import past_context
@@ -207,10 +206,10 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, eos_id=eos_id,
               seed=args.seed, top_k=args.top_k, top_p=args.top_p, repetition_penalty=penalty)
     # rank 0 streams as snlp.apps.generate.run does: the prompt with the first tokens (a chat's on a line of its own),
-    # a chat's end-of-turn stop not printed (the summary line names it)
+    # the stop id not printed (the summary line names it)
     from snlp.apps.streaming import streamer
 
-    hide = ([eos_id] if isinstance(eos_id, int) else eos_id or []) if getattr(args, "chat", False) else []
+    hide = stops[0]
     stream = streamer(tok, hide, head=args.prompt + ("\n" if getattr(args, "chat", False) else "")) \
         if rank == 0 and not args.quiet else None
     base = None
@@ -239,7 +238,8 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
             if rank == 0:  # keeps it as snlp generate does (printed, --json with "timing": "interrupted")
                 from snlp.apps.streaming import keep_on_interrupt
 
-                record, stats = generation_record(args, res, tok, plan, world, mem, penalty, penalty_source, base)
+                record, stats = generation_record(args, res, tok, plan, world, mem, penalty, penalty_source, base,
+                                                   stops)
                 with keep_on_interrupt(args, stats, record):
                     raise
             raise
@@ -247,7 +247,8 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
             if window is not None:
                 window.close()
     if rank == 0:
-        record, stats = generation_record(args, res, tok, plan, world, mem, penalty, penalty_source, base)
+        record, stats = generation_record(args, res, tok, plan, world, mem, penalty, penalty_source, base,
+                                                   stops)
         if base is not None:
             from statistics import median as med
 
@@ -286,18 +287,22 @@ def _run_generate_ranked(args, rank: int, world: int, device, cores: int) -> int
     return 0
 
 
-def generation_record(args, res, tok, plan, world: int, mem, penalty, penalty_source, base) -> tuple[dict, str]:
+def generation_record(args, res, tok, plan, world: int, mem, penalty, penalty_source, base,
+                      stops: tuple[list[int], str]) -> tuple[dict, str]:
     """Rank 0's --json record and summary line of a distributed generation, before any timing fields (the timed
-    comparison adds them; a cut timing keeps these alone)."""
-    from snlp.apps.generation_defaults import sampling_record
+    comparison adds them; a cut timing keeps these alone). `stops`: the run's stop ids and their source
+    (snlp.apps.generation_defaults.stop_ids_and_source)."""
+    from snlp.apps.generation_defaults import sampling_record, stop_phrase
 
     record = {"tokens": res.tokens, "text": tok.decode(res.tokens, mark_missing=True),
               "sampling": sampling_record(args, penalty, penalty_source), "world_size": world,
               "chunks_per_rank": [list(b) for b in partition(plan.chunks, world)], "memory_per_rank": mem,
-              **{k: v for k, v in res.to_dict().items() if k != "tokens"},
+              **{k: v for k, v in res.to_dict().items() if k != "tokens"}, "stop_ids": stops[0],
+              "stop_ids_source": stops[1],
               "drafter": None}  # the key snlp generate's record holds (its --drafter): --distributed refuses one
     stats = (f"[distributed {res.mode} {plan} over {n_ranks(world)}] {len(res.tokens)} tokens, "
-             f"{res.tokens_per_s:.1f} tok/s{' in this one run' if base is not None else ''}, stop: {res.stop}")
+             f"{res.tokens_per_s:.1f} tok/s{' in this one run' if base is not None else ''}, stop: {res.stop}, "
+             f"{stop_phrase(*stops)}")
     if res.mode == "speculative":  # as snlp generate's line: the block and the acceptance, --no-baseline or not
         from snlp.apps.common import NO_DRAFTS
 

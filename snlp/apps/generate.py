@@ -11,7 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from snlp.apps.generation_defaults import check_penalty_flag, defaults_note, penalty_and_source, sampling_record
+from snlp.apps.generation_defaults import (check_penalty_flag, defaults_note, eos_flag, penalty_and_source,
+                                           sampling_record, stop_ids_and_source, stop_phrase)
 from snlp.apps.streaming import keep_on_interrupt, past_context, streamer
 
 SUMMARY = "Generate text: sequential, SNLP, self-speculative or Jacobi decoding."
@@ -47,8 +48,8 @@ def add_arguments(p) -> None:
     p.add_argument("--prompt", default="", help="prompt text (snlp's own tokenizer: its BOS, then the text; a converted "
                    "model's: encoded as transformers' tokenizer(text) encodes it, BOS only where that adds one)")
     p.add_argument("--chat", action="store_true", help="instruct models: wrap --prompt as a user turn with the "
-                   "chat template (snlp's own tokenizer: the format `snlp sft` trains) and stop at its end of turn "
-                   "(the generation config's ids, else EOS; own: <|assistant_end|>) unless --eos-id is given")
+                   "chat template (snlp's own tokenizer: the format `snlp sft` trains, stopping at its "
+                   "<|assistant_end|> or <|bos|>)")
     p.add_argument("--mode", default="sequential", help=f"one of {', '.join(MODES)}")
     p.add_argument("--plan", default=None, help="SNLP plan for snlp/speculative/jacobi, e.g. 4xF1-h0-K1")
     p.add_argument("--drafter", default=None, help="an adapted drafter directory (`snlp adapt`): speculative mode drafts "
@@ -67,7 +68,10 @@ def add_arguments(p) -> None:
                    "the text (prompt included) by P where positive, multiply it where negative, as transformers does "
                    "(default: the converted model's generation_config value, else 1 = none)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--eos-id", type=int, default=None, help="stop after this token id (default: none)")
+    p.add_argument("--eos-id", action="append", default=None, metavar="ID[,ID...]",
+                   help="stop after these token ids, or none: decode the whole --max-new-tokens budget (default: a "
+                        "converted model's generation-config EOS ids, where transformers' generate() stops; none for "
+                        "snlp's own tokenizer, a --chat its end of turn)")
     p.add_argument("--seed", type=int, default=None, help=f"sampling seed (--temperature > 0; default "
                    f"{DEFAULTS['seed']}; prompt i of --prompts-file samples with seed + i)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -170,8 +174,6 @@ def check_args(args) -> None:
     check_decode_args(args.max_new_tokens, args.temperature, args.block)
     sampling(args.temperature, args.top_k, args.top_p)
     check_penalty_flag(args.repetition_penalty)
-    if args.eos_id is not None and args.eos_id < 0:
-        raise ValueError(f"--eos-id must be a token id >= 0 (got {args.eos_id})")
     # the plan's grammar, and the drafter's directory, before the model loads (its depth is checked once it has)
     plan = None if args.plan is None else Plan.parse(args.plan)
     if args.drafter:
@@ -209,14 +211,13 @@ def check_args(args) -> None:
         raise ValueError(f"--repeats must be >= 1 (got {args.repeats})")
 
 
-def prompt_ids(args, tok) -> tuple[list[int], int | None]:
-    """The prompt's ids and the EOS id to stop at: with --chat the tokenizer's chat template and its EOS
-    (unless --eos-id says otherwise), else the text's ids (Tokenizer.prompt_ids: a converted model's as transformers'
-    tokenizer encodes them) and --eos-id."""
-    if args.chat:
-        ids = tok.chat_prompt([{"role": "user", "content": args.prompt}])
-        return ids, (list(tok.chat_stop_ids) or None) if args.eos_id is None else args.eos_id
-    return tok.prompt_ids(args.prompt), args.eos_id
+def prompt_ids(args, tok) -> tuple[list[int], list[int] | None]:
+    """The prompt's ids and the ids to stop after (None: none, the whole budget): with --chat the tokenizer's chat
+    template, else the text's ids (Tokenizer.prompt_ids: a converted model's as transformers' tokenizer encodes them);
+    the stop ids are --eos-id's where given (`eos_flag`), else the model's (`stop_ids_and_source`: a converted model's
+    generation-config EOS ids for a plain prompt and a chat alike, as transformers' generate() stops)."""
+    ids = tok.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else tok.prompt_ids(args.prompt)
+    return ids, stop_ids_and_source(args.eos_id, tok, args.chat)[0] or None
 
 
 def decode(args, model, prompt, plan, preheat, eos_id, on_tokens, steps: dict | None = None, drafter=None):
@@ -401,8 +402,9 @@ def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
     window = begin_timing(threads, device, remedy=None) if timed else None  # generate has no --threads
     res, wall = decode_batches(args, model, prompts, plan, preheat, eos_id, drafter=drafter)
     total = sum(len(r.tokens) for r in res)
+    stops, source = stop_ids_and_source(args.eos_id, tok, args.chat)
     record = {"mode": args.mode, "plan": None if plan is None else str(plan), "drafter": args.drafter,
-              "batch_size": args.batch_size,
+              "batch_size": args.batch_size, "stop_ids": stops, "stop_ids_source": source,
               "prompts": len(prompts), "tokens": total, "decode_s": wall, "tokens_per_s": total / wall if wall else None,
               "sampling": sampling_record(args),  # row i drew with seed + i (decode_batches)
               "results": [{"prompt": t, "tokens": r.tokens, "text": tok.decode(r.tokens, mark_missing=True),
@@ -414,7 +416,7 @@ def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
             print(f"[{i}] {t}{tok.decode(r.tokens, mark_missing=True)}")
     stats = f"[{args.mode}{method_label(plan, args.drafter)}] {len(prompts)} prompts in batches of " \
             f"{args.batch_size}: " \
-            f"{total} tokens, {record['tokens_per_s']:.1f} tok/s"
+            f"{total} tokens, {record['tokens_per_s']:.1f} tok/s, {stop_phrase(stops, source)}"
     if args.mode == "speculative":
         acc, exam = sum(r.accepted for r in res), sum(r.examined for r in res)
         from snlp.apps.common import NO_DRAFTS
@@ -456,6 +458,7 @@ def run(args) -> int:
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     unread_flags(args)
     resolve_defaults(args)
+    args.eos_id = eos_flag(args.eos_id)  # None (the model's stop ids), [] (none) or the ids: before anything loads
     if args.distributed and (args.prompts_file or args.batch_size != 1 or args.adaptive_block):
         raise ValueError("--prompts-file, --batch-size and --adaptive-block are single-process options; "
                          "--distributed decodes one --prompt: drop them")
@@ -475,10 +478,10 @@ def run(args) -> int:
     check_plans_fit(args.ckpt, [args.plan])  # before the weights load
     model, tok = load(args.ckpt, device="cpu", need_tokenizer="save it with one to use `snlp generate`")
     model = model.to(device).eval()
-    if args.eos_id is not None:  # its range needs the model's vocabulary: here, before the prompt is echoed
+    if args.eos_id:  # its range needs the model's vocabulary: here, before the prompt is echoed
         from snlp.decode.session import stop_set
 
-        stop_set(args.eos_id, model.config.vocab_size)
+        stop_set(args.eos_id if len(args.eos_id) > 1 else args.eos_id[0], model.config.vocab_size)  # as typed
     drafter = None if args.drafter is None else load_drafter(args.drafter, model)  # refuses another base
     plan = drafter.plan if args.plan is None and drafter else None if args.plan is None else \
         cli_plan(args.plan, model.config.n_layer)
@@ -518,9 +521,10 @@ def run(args) -> int:
     past_context(model, len(prompt), args.max_new_tokens)
     # a kept token's query sits at position < prompt + new tokens: no window narrower than that drops a key it reads
     warn_causal_idle([plan], (drafter.model if drafter else model).config, len(prompt) + args.max_new_tokens)
-    # a chat's template markers are not printed, its end-of-turn stop neither (the summary line says stop: eos); a
-    # chat prompt is the user's turn: the answer starts on its own line
-    hide = ([eos_id] if isinstance(eos_id, int) else eos_id or []) if args.chat else []
+    # a chat's template markers are not printed, the stop id neither (the summary line says stop: eos and names the
+    # ids); a chat prompt is the user's turn: the answer starts on its own line
+    stops, source = stop_ids_and_source(args.eos_id, tok, args.chat)
+    hide = stops
     stream = None if args.quiet else streamer(tok, hide, head=args.prompt + ("\n" if args.chat else ""))
     res = decode(args, model, prompt, plan, preheat, eos_id, stream, drafter=drafter)
     if stream is not None:
@@ -528,12 +532,14 @@ def run(args) -> int:
         sys.stdout.write("\n")
     timed = res.mode == "speculative" and not args.no_baseline  # warm, repeated timings follow on the line
     stats = f"[{res.mode}{method_label(res.plan, args.drafter)}] {len(res.tokens)} tokens, " \
-            f"{res.tokens_per_s:.1f} tok/s{' in this one run' if timed else ''}, stop: {res.stop}"
+            f"{res.tokens_per_s:.1f} tok/s{' in this one run' if timed else ''}, stop: {res.stop}, " \
+            f"{stop_phrase(stops, source)}"
     if args.compile:
         stats += f", compiled in {res.compile_s:.1f} s (before timing, not in tok/s)"
     record = {"tokens": res.tokens, "text": tok.decode(res.tokens, mark_missing=True),
               "sampling": sampling_record(args),  # what repeats the draws: temperature, filters, seed, penalty
-              **{k: v for k, v in res.to_dict().items() if k != "tokens"}, "drafter": args.drafter}
+              **{k: v for k, v in res.to_dict().items() if k != "tokens"}, "drafter": args.drafter,
+              "stop_ids": stops, "stop_ids_source": source}
     if res.mode in ("speculative", "jacobi"):
         from snlp.apps.common import NO_DRAFTS
 

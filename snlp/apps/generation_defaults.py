@@ -142,3 +142,64 @@ def sampling_record(args, penalty: float | None = None, source: str | None = Non
     return {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
             "repetition_penalty": args.repetition_penalty if penalty is None else penalty,
             "repetition_penalty_source": source or getattr(args, "repetition_penalty_source", None) or "default"}
+
+
+# where a run's stop ids came from (its --json's "stop_ids_source"), as its summary line says it
+STOP_SOURCES = {"flag": "--eos-id",
+                "generation_config": "the model's generation config, where transformers' generate() stops",
+                "tokenizer": "the tokenizer's EOS, where transformers' generate() of its export stops",
+                "chat_format": "the chat format's end of turn and <|bos|>",
+                "own_tokenizer": "snlp's own tokenizer has no end-of-text token",
+                "no_eos": "the model names no EOS"}
+
+
+def eos_flag(given) -> list[int] | None:
+    """--eos-id as parsed (argparse's append: every occurrence's string, or None): None where it was not given (the
+    model's own stop ids apply, `stop_ids_and_source`), [] for `none` (decode the whole --max-new-tokens budget),
+    else the ids of `ID` or `ID,ID,...`. A second --eos-id, `none` beside an id, or an id that is no integer >= 0 is
+    a one-line ValueError: the run cannot honour two answers to where it stops."""
+    if given is None:
+        return None
+    if len(given) > 1:
+        raise ValueError(f"--eos-id was given {len(given)} times ({', '.join(given)}): give it once (ID, ID,ID,... "
+                         f"or none)")
+    parts = [p.strip() for p in given[0].split(",")]
+    if [p.lower() for p in parts] == ["none"]:
+        return []
+    if "none" in (p.lower() for p in parts):
+        raise ValueError(f"--eos-id {given[0]} says both none and ids: give none (decode the whole budget) or the ids")
+    ids = []
+    for p in parts:
+        try:
+            ids.append(int(p))
+        except ValueError:
+            raise ValueError(f"--eos-id takes token ids (ID or ID,ID,...) or none, got {given[0]!r}") from None
+        if ids[-1] < 0:
+            raise ValueError(f"--eos-id must be a token id >= 0 (got {ids[-1]})")
+    return list(dict.fromkeys(ids))
+
+
+def stop_ids_and_source(eos: list[int] | None, tok, chat: bool) -> tuple[list[int], str]:
+    """The ids a `snlp generate` run stops after and where they came from (a key of STOP_SOURCES): `eos` (`eos_flag`:
+    the flag's ids, [] for none) where given; else a converted model's `Tokenizer.stop_ids` for a plain prompt and a
+    chat alike (its generation config's eos_token_id list, which transformers' generate() stops after, else its
+    tokenizer's EOS, which `snlp export` writes as that list); for snlp's own BPE a chat stops at its end of turn
+    (`chat_stop_ids`) and a plain prompt nowhere: the BPE has no end-of-text token, and its <|bos|> separates
+    training documents, plain text cut into ~4 KB pieces among them, so a base model's <|bos|> need not end its
+    text (--eos-id with its id stops there). [] is no stop id: the whole --max-new-tokens budget."""
+    if eos is not None:
+        return list(eos), "flag"
+    if tok.foreign:
+        ids = list(tok.stop_ids)
+        return ids, ("generation_config" if tok.meta.get("eos_token_ids") else "tokenizer") if ids else "no_eos"
+    if chat:
+        return list(tok.chat_stop_ids), "chat_format"
+    return [], "own_tokenizer"
+
+
+def stop_phrase(ids: list[int], source: str) -> str:
+    """The summary line's words for a run's stop ids: `stop ids 2 (the model's generation config, ...)`."""
+    if not ids:
+        why = "--eos-id none" if source == "flag" else STOP_SOURCES[source]
+        return f"stop ids none ({why}: the whole --max-new-tokens budget)"
+    return f"stop ids {','.join(map(str, ids))} ({STOP_SOURCES[source]})"

@@ -323,6 +323,10 @@ def generate_args(ckpt, *argv):
      "the newton surrogate's probes read the KV cache at one start position"),
     (["--mode", "snlp", "--plan", "4xF1-h0-K1-tol:-1"], "tol must be a positive number, got '-1'"),
     (["--mode", "snlp", "--plan", "4xF1-h0-K1", "--eos-id", "-1"], "--eos-id must be a token id >= 0 (got -1)"),
+    # two answers to where the run stops: refused, never one of them silently kept
+    (["--eos-id", "none,2"], "--eos-id none,2 says both none and ids: give none (decode the whole budget) or the ids"),
+    (["--eos-id", "2", "--eos-id", "none"], "--eos-id was given 2 times (2, none): give it once"),
+    (["--eos-id", "two"], "--eos-id takes token ids (ID or ID,ID,...) or none, got 'two'"),
     # --prompts-file times one batched run of each side: --repeats was accepted and ignored
     (["--mode", "speculative", "--plan", "2xF1-h0-K1", "--batch-size", "2", "--repeats", "5"],
      "--repeats sets the timed rounds of speculative mode's comparison with sequential decoding; --prompts-file times "
@@ -494,6 +498,45 @@ def test_chat_on_snlps_own_tokenizer_asks_in_the_sft_format_and_stops_at_the_end
     got = json.loads(out.read_text())
     assert got["tokens"] == want and got["stop"] == "eos"
     assert "<|assistant_end|>" not in capsys.readouterr().out  # the stop is not printed
+
+
+def test_a_plain_prompt_on_snlps_own_tokenizer_decodes_the_whole_budget_unless_told(tmp_path):
+    """snlp's own BPE has no end-of-text token: its <|bos|> starts every training document, plain text cut into ~4 KB
+    pieces among them, so a base model's <|bos|> need not end its text. A plain prompt therefore stops nowhere by
+    default (the record says so and why), even where the model's greedy token is <|bos|>; --eos-id with its id
+    stops there, as nanochat's engine does. Reference: a naive greedy loop over the full forward; the head row of
+    <|bos|> is twice the row of an early greedy token's, so <|bos|> is a greedy token before the budget ends."""
+    tok = Tokenizer.train([TEXT], vocab_size=MIN_VOCAB + 40)
+    model = make_model(seed=3, dtype=torch.float32, vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_kv_head=1,
+                       n_embd=32, sequence_len=128, scale=0.15)
+    prompt, bos = tok.prompt_ids("First Citizen:"), tok.bos_id
+
+    def naive(n):
+        out = []
+        with torch.no_grad():
+            for _ in range(n):
+                out.append(int(model(torch.tensor([prompt + out]))[0, -1].argmax()))
+        return out
+
+    free, row = naive(12), model.lm_head.weight[bos].clone()
+    for k in range(1, 10):  # the first greedy token whose logit doubling makes <|bos|> the argmax there (> 0)
+        with torch.no_grad():
+            model.lm_head.weight[bos] = 2 * model.lm_head.weight[free[k]]
+        want = naive(12)
+        if bos in want[:-1]:
+            break
+        with torch.no_grad():
+            model.lm_head.weight[bos] = row
+    cut = want.index(bos) + 1
+    assert cut < 12
+    ck = save_checkpoint(tmp_path / "base", model, tokenizer=tok)
+    for flag, tokens, stops, source in (([], want, [], "own_tokenizer"), (["--eos-id", str(bos)], want[:cut], [bos],
+                                                                           "flag")):
+        out = tmp_path / "g.json"
+        assert main(["generate", str(ck), "--prompt", "First Citizen:", "--max-new-tokens", "12", "--quiet",
+                     "--json", str(out), *flag]) == 0
+        got = json.loads(out.read_text())
+        assert got["tokens"] == tokens and (got["stop_ids"], got["stop_ids_source"]) == (stops, source)
 
 
 @pytest.mark.parametrize("extra,says", [

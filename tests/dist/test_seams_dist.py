@@ -170,6 +170,33 @@ def test_distributed_generate_honours_chat_and_repeats(chat_ckpt, tmp_path):
     assert f"which ran {lo:.2f}-{hi:.2f}x" in out.stdout and "(each side's own median)" in out.stdout
 
 
+def test_distributed_plain_prompt_stops_at_the_models_eos_as_single_process_generate(chat_ckpt, tmp_path):
+    """`snlp generate --distributed --prompt TEXT` (no --chat) stopped only at --eos-id: now, as the single-process
+    command, at the converted tokenizer's EOS (where transformers' generate() of its export stops), and the record
+    says which ids and whence. The prompt is the chat turn written out as text, which the tokenizer reads as the chat
+    prompt's ids, so the reference is the fixture's EOS-stopped greedy reply."""
+    import json
+    import subprocess
+    import sys
+
+    from snlp.io.checkpoint import load
+
+    ckpt, ref = chat_ckpt
+    _, tok = load(ckpt)
+    text = tok.apply_chat_template([{"role": "user", "content": CHAT_PROMPT}])
+    assert tok.prompt_ids(text) == tok.chat_prompt([{"role": "user", "content": CHAT_PROMPT}])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_free_port()}",
+           "-m", "snlp", "generate", str(ckpt), "--distributed", "--prompt", text, "--mode", "snlp", "--plan",
+           "4xF1-h0-K4", "--max-new-tokens", str(CHAT_NEW), "--quiet", "--json", str(tmp_path / "dist.json")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, out.stderr[-3000:]
+    rec = json.loads((tmp_path / "dist.json").read_text())
+    assert rec["tokens"] == ref and rec["stop"] == "eos"
+    assert (rec["stop_ids"], rec["stop_ids_source"]) == ([tok.eos_id], "tokenizer")
+    assert f"stop: eos, stop ids {tok.eos_id} (the tokenizer's EOS" in out.stdout
+
+
 def test_distributed_generate_streams_what_single_process_generate_streams(chat_ckpt, capsys):
     """rank 0 streamed a chat's end-of-turn stop as text (<|assistant_end|>) and the reply on the prompt's line, where
     `snlp generate` puts the reply on a line of its own and hides the stop (the summary line names it): the streamed

@@ -82,6 +82,67 @@ def test_generate_chat_stops_at_the_generation_config_ids(hf_dir, tmp_path):
     assert json.loads((tmp_path / "g.json").read_text())["tokens"] == ref
 
 
+def argmax_loop(hf, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens of transformers' forward, no stop id: what decoding the whole budget gives."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+PLAIN = " ".join(f"t{i}" for i in PROMPT)  # the word tokenizer reads it as PROMPT (no BOS: no post-processor)
+MODES = {"sequential": [], "snlp": ["--plan", "4xF1-h0-K4"],  # K >= C: exact
+         "speculative": ["--plan", "2xF1-h0-K1", "--block", "3", "--no-baseline"],
+         "jacobi": ["--plan", "2xF1-h0-K1", "--block", "3"]}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_plain_prompt_stops_where_transformers_generate_does_in_every_mode(hf_dir, tmp_path, mode):
+    """`snlp generate --prompt TEXT` (no --chat) stopped only at --eos-id (default none) and decoded past the
+    generation config's EOS where transformers' generate() stops: now it stops at the config's ids by default in
+    every mode and with --prompts-file, and says which ids and whence; --eos-id ID overrides them and --eos-id none
+    decodes the whole budget (transformers' forward as an argmax loop)."""
+    d, stop, ref = hf_dir
+    ck = tmp_path / "ck"
+    assert main(["convert", str(d), "--out", str(ck)]) == 0
+
+    def gen(*extra, prompt=("--prompt", PLAIN)):
+        out = tmp_path / "g.json"
+        assert main(["generate", str(ck), *prompt, "--max-new-tokens", str(N), "--mode", mode, *MODES[mode],
+                     "--quiet", "--json", str(out), *extra]) == 0
+        return json.loads(out.read_text())
+
+    got = gen()
+    assert got["tokens"] == ref and got["stop"] == "eos"
+    assert got["stop_ids"] == [EOS, stop] and got["stop_ids_source"] == "generation_config"
+    if mode != "jacobi":  # --prompts-file decodes with the other three
+        (tmp_path / "p.txt").write_text(f"{PLAIN}\n{PLAIN}\n")
+        rows = gen(prompt=("--prompts-file", str(tmp_path / "p.txt")))
+        assert [r["tokens"] for r in rows["results"]] == [ref, ref] and rows["stop_ids"] == [EOS, stop]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(d)).eval()
+    whole = argmax_loop(hf, PROMPT, N)
+    assert whole[:len(ref)] == ref and len(whole) == N
+    none = gen("--eos-id", "none")
+    assert none["tokens"] == whole and none["stop_ids"] == [] and none["stop_ids_source"] == "flag"
+    own = whole[1]  # an id of the flag's own: it stops at its first occurrence, and only there
+    mine = gen("--eos-id", str(own))
+    assert mine["tokens"] == whole[:whole.index(own) + 1] and mine["stop_ids"] == [own]
+
+
+def test_the_summary_names_the_stop_ids_and_where_they_came_from(hf_dir, tmp_path, capsys):
+    d, stop, ref = hf_dir
+    assert main(["convert", str(d), "--out", str(tmp_path / "ck")]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "ck"), "--prompt", PLAIN, "--max-new-tokens", str(N)]) == 0
+    out = capsys.readouterr().out
+    assert f"stop: eos, stop ids {EOS},{stop} (the model's generation config" in out.splitlines()[-1]
+    assert "</s>" not in out and f"t{stop}" not in out.splitlines()[0].split()[len(PROMPT):]  # the stop is not printed
+    assert main(["generate", str(tmp_path / "ck"), "--prompt", PLAIN, "--max-new-tokens", "3", "--eos-id",
+                 "none"]) == 0
+    assert "stop ids none (--eos-id none: the whole --max-new-tokens budget)" in capsys.readouterr().out
+
+
 def test_export_writes_the_list_and_transformers_stops_there(hf_dir, tmp_path):
     d, stop, ref = hf_dir
     assert main(["convert", str(d), "--out", str(tmp_path / "ck")]) == 0

@@ -779,7 +779,8 @@ def test_a_text_prompt_is_encoded_as_transformers_tokenizer_encodes_it():
     for hf_tok in (plain, adds):
         tok = Tokenizer.from_hf(hf_tok)
         for text in ("t1 t5 t2", "t7"):
-            assert prompt_ids(args(text), tok) == (hf_tok(text)["input_ids"], None)
+            # and the stop ids transformers' generate() of its export stops after: the tokenizer's EOS
+            assert prompt_ids(args(text), tok) == (hf_tok(text)["input_ids"], [V - 2])
         assert tok.prompt_ids("") == [V - 3]
     assert prompt_ids(args("t1"), Tokenizer.from_hf(plain))[0] == [1]  # was [<s>, t1]
     own = Tokenizer.train(["hello world"] * 4, vocab_size=300)
