@@ -46,6 +46,10 @@ class Job:
     # the train rows' key of the second term `loss` returns, for a job whose second term is not the regulariser (snlp
     # adapt's final-state MSE); None: the regulariser's `reg` (`reg_subset` under --reg-rows) beside its `lambda`
     second_term: str | None = None
+    # whether the checkpoint in `out` stays once a run that stopped for this reason (`stopped_by`, "budget" when its
+    # budget ended it) returns; None: always. snlp adapt's OUT/run is removed once a finished run's drafter is written,
+    # so the summary line then says what ran, not "saved OUT/run"
+    keeps_checkpoint: Callable[[str], bool] | None = None
 
 
 class TrainStep(nn.Module):

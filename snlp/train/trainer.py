@@ -619,8 +619,10 @@ def finish(run: Run, state: LoopState, t_wall: float, speed: StepSpeed | None = 
                f"stopped ({state.stopped_by}) before its first step")  # a Ctrl-C or a hook: steps are left
         print(f"{run.out}: no step run ({why} at step {state.step}); the checkpoint is kept as it was", flush=True)
     elif run.ctx.master:
-        print(f"saved {run.out} after {state.step} steps, {state.tokens:,} tokens in {total:.0f}s "
-              f"({state.tokens / max(total, 1e-9):,.0f} tokens/s incl. eval)" + (f" | {v}" if v else ""), flush=True)
+        keeps = run.job.keeps_checkpoint is None or run.job.keeps_checkpoint(state.stopped_by or "budget")
+        print(f"{f'saved {run.out} after' if keeps else 'trained'} {state.step} steps, {state.tokens:,} tokens in "
+              f"{total:.0f}s ({state.tokens / max(total, 1e-9):,.0f} tokens/s incl. eval)" + (f" | {v}" if v else ""),
+              flush=True)
         if speed is not None:
             print(speed_line(speed), flush=True)
             if speed.load is not None:  # --time-reg's rounds: one line where other work shared the cores
