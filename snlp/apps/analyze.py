@@ -155,7 +155,7 @@ def run(args) -> int:
     import torch
 
     from snlp.eval.analysis.common import AnalysisConfig
-    from snlp.eval.analysis.report import analyze, check_model, write
+    from snlp.eval.analysis.report import PLOTS, analyze, check_model, write
     from snlp.eval.data import checkpoint_data, validation_tokens
     from snlp.io.checkpoint import load, load_preheat
 
@@ -201,5 +201,9 @@ def run(args) -> int:
     with deferred():
         out = write(res, args.out)
         args.complete = True
-    print(f"wrote {out / 'analysis.md'}, {out / 'analysis.json'} and plots ({sum(res.seconds.values()):.0f}s)")
+    # the plots of the sections that ran (early-exit, elk, preheat and jacobi have none): "and plots" after a run
+    # of those alone named files the folder does not hold
+    plots = [str(out / p) for p in PLOTS if (out / p).is_file()]
+    print(f"wrote {out / 'analysis.md'}, {out / 'analysis.json'}" + (f" and {', '.join(plots)}" if plots else "")
+          + f" ({sum(res.seconds.values()):.0f}s)")
     return 0

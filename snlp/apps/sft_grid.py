@@ -127,7 +127,7 @@ def dropping_table(hooks, out: Path):
     def should_stop(steps_done: int):
         reason = ask(steps_done) if ask is not None else None
         if reason is None:
-            for name in ("grid.md", "grid.json"):
+            for name in GRID_FILES:
                 (out / name).unlink(missing_ok=True)
         return reason
 
@@ -140,6 +140,29 @@ def grid_row(forward: str, inference: str, recs: dict) -> GridRow:
     return GridRow(sft=forward, inference=inference, accuracy={t: r.accuracy for t, r in recs.items()},
                    ci={t: (r.ci_low, r.ci_high) for t, r in recs.items()}, n={t: r.n for t, r in recs.items()},
                    avg=float("nan") if None in accs else sum(accs) / len(accs))
+
+
+GRID_FILES = ("grid.md", "grid.json")  # what the grid writes into --out (and removes once a run trains on)
+
+
+def check_grid_files(out: str) -> None:
+    """Refuse, before any work, an --out whose grid.md or grid.json is not an earlier grid's (its grid.json: a JSON
+    object with the grid's `plan`, `tasks` and `rows`): the grid removes both once a run goes on to a step and writes
+    its own, so a file of the user's under either name was lost. An earlier grid's table is the one a rerun replaces."""
+    from snlp.io.source import home_path
+
+    folder = home_path(out)
+    held = [n for n in GRID_FILES if (folder / n).exists()]
+    if not held:
+        return
+    try:
+        rec = json.loads((folder / "grid.json").read_text())
+        ours = isinstance(rec, dict) and {"plan", "tasks", "rows"} <= rec.keys()
+    except (OSError, ValueError):  # no grid.json, a folder of that name, or text that is not JSON
+        ours = False
+    if not ours:
+        raise ValueError(f"--out {out} holds {' and '.join(held)} but no earlier grid (grid.json of snlp sft-grid): "
+                         f"this run would write over or remove them; name another folder")
 
 
 def check_distinct_tasks(tasks: list[str]) -> None:
@@ -295,6 +318,7 @@ def run(args) -> int:
     args.plan = str(cli_plan(args.plan))  # a K beyond the exact count capped (with a warning), as for every --plan
     check_plans_fit(args.ckpt, [args.plan])  # its depth from its config, before its weights load
     check_distinct_tasks(args.task)
+    check_grid_files(args.out)
     check_grid_stop_file(args)
     check_grid_runs(args)
     res = run_grid(GridConfig(ckpt=args.ckpt, data=args.data, plan=args.plan, tasks=args.task, out=args.out,

@@ -492,7 +492,7 @@ def adapt_job(cfg: AdaptConfig, plan: Plan, held: dict, loaded: tuple, fingerpri
                    describe=f"adapting the {plan} drafter of {cfg.src} (kv={cfg.kv}, "
                    f"{f'LoRA rank {cfg.lora_rank} deltas' if cfg.lora_rank else 'suffix'} "
                    f"{drafter.extra_bytes() / 2**20:.1f} MiB) on {len(train):,} train / {len(val):,} val tokens of "
-                   f"{what}", name="snlp adapt", second_term="mse",
+                   f"{what}", name="snlp adapt", second_term="mse", keeps_checkpoint=lambda why: keeps_run(cfg, why),
                    state={"adapt": asdict(cfg), "adapt_base": fingerprint,
                           **({"adapt_init_digest": digest} if digest else {})})
 
@@ -744,6 +744,11 @@ def _adapt(cfg: AdaptConfig, plan: Plan, hooks, base: tuple, owned: bool, finger
         return result
 
 
+def keeps_run(cfg: AdaptConfig, stopped_by: str) -> bool:
+    """Whether OUT/run stays once the drafter is written: not for a finished run, nor for LoRA (never resumed)."""
+    return stopped_by != "budget" and not cfg.lora_rank
+
+
 def save_result(cfg: AdaptConfig, out: Path, drafter: Drafter, result: AdaptResult, stopped_by: str, t0: float,
                 init_digest: str | None = None):
     """Rank 0's end of a run: the validation records into `result`, the drafter directory, the log.
@@ -755,7 +760,7 @@ def save_result(cfg: AdaptConfig, out: Path, drafter: Drafter, result: AdaptResu
               **({"init_drafter_digest": init_digest} if init_digest else {})}
     save_drafter(out, drafter, record)
     shutil.copyfile(out / RUN / "log.jsonl", out / "log.jsonl")
-    if stopped_by == "budget" or cfg.lora_rank:  # finished, or LoRA (never resumed): the checkpoint is not kept
+    if not keeps_run(cfg, stopped_by):
         for log in sorted((out / RUN).glob(UNSAVED_LOG.replace(".jsonl", "*.jsonl"))):  # killed earlier runs' logs,
             aside = unsaved_log_path(out)  # set aside by fit: kept beside the drafter, under a free name
             os.replace(log, aside)

@@ -381,6 +381,9 @@ class StepSpeed:
     mfu: float | None  # model FLOPs utilisation at the steady tok/s; None without a known peak
     tflops: float | None  # achieved model TFLOP/s per process (what MFU divides by the peak; also on CPU)
     device: str = ""
+    # the number of the step first_step_s timed: 1, or the step after the checkpoint a resumed run starts from (its
+    # first step builds the caches and, compiled, compiles again; a speed line that called it step 1 misnamed it)
+    first_step: int = 1
     reg_step_s: float | None = None  # --time-reg: median seconds per micro-batch step with the regulariser
     plain_step_s: float | None = None  # ... and without it (same batch, same compiled/eager treatment)
     # ... and per round, the step without it / with it (both timed in one round-robin round, so paired: > 1 where the

@@ -52,6 +52,10 @@ class Job:
     # reply position"). None: such a step is refused in one process (trainer.check_has_targets); a loss that defines
     # the empty mean as 0 would otherwise step AdamW on a zero gradient, whose momentum still moves the weights
     skip_empty: str | None = None
+    # whether the checkpoint in `out` stays once a run that stopped for this reason (`stopped_by`, "budget" when its
+    # budget ended it) returns; None: always. snlp adapt's OUT/run is removed once a finished run's drafter is written,
+    # so the summary line then says what ran, not "saved OUT/run"
+    keeps_checkpoint: Callable[[str], bool] | None = None
 
 
 class TrainStep(nn.Module):

@@ -98,7 +98,7 @@ class LoopState:
     # perf_counter() at the end of the previous step, moved on past the validation, save and FLOP count since: a step's
     # tok_s counts its own time and any hold before it (before_step: a lockstep gate), not those passes
     t_last: float = 0.0
-    step_times: list = field(default_factory=list)  # (tokens, seconds) of each step of this process
+    step_times: list = field(default_factory=list)  # (step, tokens, seconds) of each step of this process
     mfu: float | None = None  # the last step's MFU (logged on every row)
     peer_signal: int = 0  # the highest signal number any rank had taken by this process's last save (0: none)
     resumed: bool = False  # this process continues a saved run (--resume)
@@ -401,7 +401,7 @@ def train_step(run: Run, state: LoopState) -> StepStats:
     stats = torch.stack([ce_sum.to(wide), reg_sum.to(wide)]) / cfg.grad_accum
     st = reduce_step(run, state, stats, n_tok, lam, mult, gnorm)
     st.step_s = time.perf_counter() - t0  # after reduce_step's host read: the device has finished the step
-    state.step_times.append((st.tokens, st.step_s))
+    state.step_times.append((state.step, st.tokens, st.step_s))
     # MFU per process: its own tokens over its own device's peak (DDP ranks run in lockstep)
     st.mfu = state.mfu = mfu(run.flops_per_token, n_tok / max(st.step_s, 1e-9), run.peak_flops)
     return st
@@ -599,14 +599,14 @@ def step_speed(run: Run, state: LoopState) -> StepSpeed | None:
         return None
     warm = WARM_STEPS if len(times) > WARM_STEPS + 1 else min(1, len(times) - 1)
     steady = times[warm:]
-    secs = sum(t for _, t in steady)
-    tok_s = sum(n for n, _ in steady) / max(secs, 1e-9)
+    secs = sum(t for _, _, t in steady)
+    tok_s = sum(n for _, n, _ in steady) / max(secs, 1e-9)
     per_proc = tok_s / run.ctx.world
     fpt = run.flops_per_token
     return StepSpeed(compiled=run.cfg.compile, steps=len(steady), warm=warm, tok_s=tok_s, step_s=secs / len(steady),
-                     first_step_s=times[0][1], flops_per_token=fpt, peak_flops=run.peak_flops,
+                     first_step_s=times[0][2], flops_per_token=fpt, peak_flops=run.peak_flops,
                      mfu=mfu(fpt, per_proc, run.peak_flops), tflops=fpt * per_proc / 1e12 if fpt else None,
-                     device=device_label(run.ctx.device))
+                     device=device_label(run.ctx.device), first_step=times[0][0])
 
 
 @dataclass
@@ -667,8 +667,10 @@ def finish(run: Run, state: LoopState, t_wall: float, speed: StepSpeed | None = 
                f"stopped ({state.stopped_by}) before its first step")  # a Ctrl-C or a hook: steps are left
         print(f"{run.out}: no step run ({why} at step {state.step}); the checkpoint is kept as it was", flush=True)
     elif run.ctx.master:
-        print(f"saved {run.out} after {state.step} steps, {state.tokens:,} tokens in {total:.0f}s "
-              f"({state.tokens / max(total, 1e-9):,.0f} tokens/s incl. eval)" + (f" | {v}" if v else ""), flush=True)
+        keeps = run.job.keeps_checkpoint is None or run.job.keeps_checkpoint(state.stopped_by or "budget")
+        print(f"{f'saved {run.out} after' if keeps else 'trained'} {state.step} steps, {state.tokens:,} tokens in "
+              f"{total:.0f}s ({state.tokens / max(total, 1e-9):,.0f} tokens/s incl. eval)" + (f" | {v}" if v else ""),
+              flush=True)
         if state.skipped:
             print(skipped_line(run, state), flush=True)
         if speed is not None:
@@ -722,7 +724,7 @@ def speed_line(sp: StepSpeed) -> str:
     mfu_text = (f"MFU {sp.mfu:.1%} of {sp.peak_flops / 1e12:.0f} TFLOP/s bf16 peak" if sp.mfu is not None else
                 "MFU n/a (no known peak for this device; the model TFLOP/s is the peak-free figure)")
     line = (f"{'compiled' if sp.compiled else 'eager'} steps: {sp.tok_s:,.0f} tokens/s, {sp.step_s * 1e3:.1f} ms/step "
-            f"over {sp.steps} steady steps (first {sp.warm} left out; step 1 took {sp.first_step_s:.1f}s) | "
+            f"over {sp.steps} steady steps (first {sp.warm} left out; step {sp.first_step} took {sp.first_step_s:.1f}s) | "
             + (f"{sp.flops_per_token / 1e6:.2f} MFLOP/token, {sp.tflops:.3f} model TFLOP/s | " if sp.tflops else "")
             + mfu_text)
     if sp.reg_overhead is not None:  # its rounds are paired: marked by the sign test as every paired ratio printed

@@ -490,6 +490,25 @@ def test_ordering_on_a_backout_checkpoint_is_refused_before_the_validation_data_
     assert "backout" in err and "ordering" in err and len(err.strip().splitlines()) == 1
 
 
+def test_the_closing_line_names_the_plots_the_folder_holds(tmp_path, capsys):
+    """`snlp analyze`'s last line names the files it wrote: early-exit alone makes no plot (it said "and plots"
+    where the folder held none), ordering makes ordering.png."""
+    from snlp.apps.cli import main
+    from snlp.eval.analysis.report import PLOTS
+
+    ck = tiny_checkpoint(tmp_path)
+    common = ["--suffixes", "2", "--seq-len", "8", "--max-tokens", "32", "--no-progress"]
+    assert main(["analyze", str(ck), "--only", "early-exit", *common, "--out", str(tmp_path / "a")]) == 0
+    said = capsys.readouterr().out.strip().splitlines()[-1]
+    assert not [p for p in PLOTS if (tmp_path / "a" / p).exists()]
+    assert "plot" not in said and ".png" not in said, said
+    assert main(["analyze", str(ck), "--only", "early-exit,ordering", "--shuffles", "1", *common,
+                 "--out", str(tmp_path / "b")]) == 0
+    said = capsys.readouterr().out.strip().splitlines()[-1]
+    made = [p for p in PLOTS if (tmp_path / "b" / p).exists()]
+    assert made == ["ordering.png"] and str(tmp_path / "b" / "ordering.png") in said, said
+
+
 def test_analyze_into_the_checkpoint_folder_keeps_the_checkpoint_whole(tmp_path, capsys):
     """`snlp analyze CKPT --out CKPT` is accepted, as the other commands' conventions have it: calibrate writes its
     preheat into CKPT by default, and eval's / tune's --json / --csv / --markdown may name a file in CKPT, refused only

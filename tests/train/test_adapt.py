@@ -405,6 +405,21 @@ def test_adapt_refuses_an_out_that_holds_another_run_and_a_base_without_tokenize
     assert not (tmp_path / "d").exists()
 
 
+def test_the_summary_line_names_out_run_only_where_it_stays(tmp_path, capsys):
+    """The training loop's summary line said "saved OUT/run" for a finished adaptation, whose OUT/run is removed once
+    the drafter is written; a run stopped early keeps OUT/run (for --resume), and its line names it."""
+    from snlp.train.adapt import adapt
+
+    adapt(adapt_cfg(tmp_path, steps=2))
+    said = capsys.readouterr().out
+    assert not (tmp_path / "d" / "run").exists()
+    assert "trained 2 steps" in said and f"saved {tmp_path / 'd' / 'run'}" not in said, said
+    adapt(adapt_cfg(tmp_path / "b", steps=4, stop_after=1))
+    said = capsys.readouterr().out
+    assert (tmp_path / "b" / "d" / "run").is_dir()
+    assert f"saved {tmp_path / 'b' / 'd' / 'run'} after 1 steps" in said, said
+
+
 def test_adapt_resume_equals_uninterrupted(tmp_path):
     from safetensors.torch import load_file
 

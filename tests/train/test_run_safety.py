@@ -460,6 +460,23 @@ def test_a_resume_stopped_before_its_first_step_says_why_not_that_its_budget_is_
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
 
 
+def test_a_resumed_runs_speed_line_names_the_step_it_timed_first(corpus, tmp_path, capsys):
+    """The speed line's and train_summary.json's first-step time is this process's first step: in a run resumed from
+    step 2 that is step 3 (its log row's step_s), which the line called "step 1"."""
+    out = tmp_path / "run"
+    fit(cfg(out, corpus, tmp_path / "cache", steps=6, stop_after=2, log_every=1))
+    capsys.readouterr()
+    res = fit(cfg(out, corpus, tmp_path / "cache", steps=6, resume=True, log_every=1))
+    said = capsys.readouterr().out
+    rows = {r["step"]: r for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "loss" in r}
+    summary = json.loads((out / "train_summary.json").read_text())["speed"]
+    assert summary["first_step"] == res.speed.first_step == 3
+    assert summary["first_step_s"] == rows[3]["step_s"]  # the timed step is the log's step 3
+    assert f"step 3 took {rows[3]['step_s']:.1f}s" in said and "step 1 took" not in said, said
+    fresh = fit(cfg(tmp_path / "fresh", corpus, tmp_path / "cache", steps=2, log_every=1))
+    assert fresh.speed.first_step == 1
+
+
 def test_the_library_refuses_resuming_with_other_settings_before_loading(corpus, tmp_path):
     cache = tmp_path / "cache"
     fit(cfg(tmp_path / "run", corpus, cache, steps=4, stop_after=2))

@@ -97,6 +97,26 @@ def test_a_reused_runs_record_in_grid_json_is_its_own(tmp_path):
         assert rec["val_loss"] is not None and rec["train_loss"] is not None and rec["steps"] == 2
 
 
+@pytest.mark.parametrize("mine", [("grid.md", "my notes\n"), ("grid.json", "[1, 2]\n")])
+def test_an_out_holding_a_grid_file_of_another_kind_is_refused_before_any_training(tmp_path, capsys, mine):
+    """A --out holding the user's own grid.md (or a grid.json that is no grid's) lost it: the grid removes both
+    once a run trains and writes its own. Refused in one line before any work; an earlier grid's files are replaced."""
+    write_task(tmp_path, 40, 30, 20, 2, 32)
+    name, text = mine
+    (tmp_path / "grid").mkdir()
+    (tmp_path / "grid" / name).write_text(text)
+    capsys.readouterr()
+    assert main(grid(tmp_path, steps=1)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"holds {name} but no earlier grid" in err, err
+    assert (tmp_path / "grid" / name).read_text() == text
+    assert sorted(p.name for p in (tmp_path / "grid").iterdir()) == [name]
+    (tmp_path / "grid" / name).unlink()
+    assert main(grid(tmp_path, steps=1)) == 0
+    assert main(grid(tmp_path, steps=2)) == 0  # an earlier grid's table: the rerun replaces it
+    assert "| SFT | Inference |" in (tmp_path / "grid" / "grid.md").read_text()
+
+
 def test_the_second_runs_folder_is_refused_before_the_first_run_trains(tmp_path, capsys):
     """OUT/sft-PLAN holding an SFT run of another forward (here `snlp sft --forward sequential`) was refused only
     when the grid reached it, after the whole sequential SFT run had trained into OUT/sft-sequential."""
