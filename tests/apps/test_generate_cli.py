@@ -668,19 +668,24 @@ def test_sigterm_or_sighup_in_the_timing_keeps_the_generation_as_ctrl_c_does(ckp
     signal.signal(signum, before)
 
 
-def test_ctrl_c_in_the_distributed_timing_keeps_the_generation(ckpt, tmp_path, monkeypatch, capsys):
-    """`snlp generate --distributed --mode speculative`: Ctrl-C in the timed rounds (after the generation) lost it:
-    no summary line, no --json. Now rank 0 keeps it as the single-process command does ("timing": "interrupted")."""
+def one_rank_env(monkeypatch) -> None:
+    """torchrun's environment for a one-rank process group of this process, set by hand on a free port."""
     import socket
 
-    import snlp.runtime.timing as timing
-
-    with socket.socket() as s:  # a one-rank process group of this process (torchrun's environment, by hand)
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": str(port)}.items():
         monkeypatch.setenv(k, v)
+
+
+def test_ctrl_c_in_the_distributed_timing_keeps_the_generation(ckpt, tmp_path, monkeypatch, capsys):
+    """`snlp generate --distributed --mode speculative`: Ctrl-C in the timed rounds (after the generation) lost it:
+    no summary line, no --json. Now rank 0 keeps it as the single-process command does ("timing": "interrupted")."""
+    import snlp.runtime.timing as timing
+
+    one_rank_env(monkeypatch)
     seq = _gen(ckpt, tmp_path, "--mode", "sequential", "--quiet")
 
     def cut(*a, **kw):
@@ -751,14 +756,7 @@ def test_a_distributed_generation_records_the_drafter_key_as_a_single_process_on
     """docs/usage.md: generate's --json holds `drafter` (the --drafter folder, null without one). The single-process
     record wrote it; the --distributed record (which refuses --drafter) had no such key, so a reader of both forms
     met a KeyError on one. Reference: the keys of the single-process record of the same generation."""
-    import socket
-
-    with socket.socket() as s:  # a one-rank process group of this process (torchrun's environment, by hand)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(port)}.items():
-        monkeypatch.setenv(k, v)
+    one_rank_env(monkeypatch)
     one = _gen(ckpt, tmp_path, "--mode", "snlp", "--plan", "2xF1-h0-K1", "--quiet")
     out = tmp_path / "dist.json"
     assert main(["generate", str(ckpt), "--distributed", "--mode", "snlp", "--plan", "2xF1-h0-K1",
