@@ -1,8 +1,8 @@
-"""Paired-round statistics for timings (pure Python but the tied rank-sum table, on the runtime floor so that every floor marks a paired ratio by
-one rule; snlp.bench.stats re-exports them): the exact two-sided sign test that decides whether one plan's speed beats
-another's from rounds that timed both (round-robin, so a round's load hits both alike); for timings that are not
-paired, the p10-p90 spreads rule with the rank-sum test (unpaired_verdict; spread_verdict where only the spreads
-were kept)."""
+"""Paired-round statistics for timings (pure Python but the tied rank-sum table, on the runtime floor so that every
+floor marks a paired ratio by one rule; snlp.bench.stats re-exports them): the exact two-sided sign test that decides
+whether one plan's speed beats another's from rounds that timed both (round-robin, so a round's load hits both
+alike); for timings that are not paired, the p10-p90 spreads rule with the rank-sum test (unpaired_verdict;
+spread_verdict where only the spreads were kept)."""
 
 from __future__ import annotations
 
