@@ -15,7 +15,7 @@ from pathlib import Path
 
 from snlp.apps.sft import add_train_arguments, train_config
 from snlp.apps.train import file_hooks, read_stop_file
-from snlp.runtime.device import json_text
+from snlp.runtime.device import json_text, write_atomic
 
 SUMMARY = "Build the paper's SFT x inference table: two SFT runs, each evaluated two ways."
 DESCRIPTION = """\
@@ -332,8 +332,10 @@ def run(args) -> int:
         return 0
     md = markdown(res)
     out = Path(args.out)
-    (out / "grid.md").write_text(md)
-    (out / "grid.json").write_text(json_text(asdict(res), indent=2))  # strict: a diverged row's Avg. NaN is null
+    # grid.json first, each file whole or absent (write_atomic): a grid cut between the two leaves the record that
+    # marks OUT as a grid's (check_grid_files), never a grid.md alone, which the rerun would refuse as the user's
+    write_atomic(out / "grid.json", json_text(asdict(res), indent=2))  # strict: a diverged row's Avg. NaN is null
+    write_atomic(out / "grid.md", md)
     print(md)
     print(f"wrote {out / 'grid.md'} and {out / 'grid.json'}")
     return 0

@@ -253,3 +253,28 @@ def test_the_table_says_how_many_steps_each_run_trained_and_a_stop_before_its_bu
     shutil.rmtree(tmp_path / "grid")
     assert main(grid(tmp_path, "--mc-limit", "2", steps=2)) == 0
     assert f"SFT runs: sequential 2 steps, {plan} 2 steps\n" in (tmp_path / "grid" / "grid.md").read_text()
+
+
+def test_a_grid_cut_while_writing_its_table_leaves_an_out_its_rerun_takes(tmp_path, monkeypatch, capsys):
+    """The grid wrote grid.md, then grid.json: a grid cut between the two (a kill, a full disk) left grid.md alone,
+    which the rerun then refused as the user's own file ('holds grid.md but no earlier grid'). grid.json is written
+    first and each file whole or not at all, so the cut leaves the grid's record; the rerun takes OUT and writes
+    both."""
+    from pathlib import Path
+
+    write_task(tmp_path, 40, 30, 20, 2, 32)
+    real = Path.write_text
+
+    def cut_at_the_table(self, text, *a, **kw):
+        if "grid.md" in self.name:  # the table is written whole, then the process is cut
+            real(self, text, *a, **kw)
+            raise KeyboardInterrupt
+        return real(self, text, *a, **kw)
+
+    monkeypatch.setattr(Path, "write_text", cut_at_the_table)
+    assert main(grid(tmp_path, steps=1)) != 0  # the CLI's Ctrl-C: interrupted, the runs saved
+    monkeypatch.setattr(Path, "write_text", real)
+    capsys.readouterr()
+    assert main(grid(tmp_path, steps=1)) == 0, capsys.readouterr().err
+    assert "| SFT | Inference |" in (tmp_path / "grid" / "grid.md").read_text()
+    assert json.loads((tmp_path / "grid" / "grid.json").read_text())["rows"]
