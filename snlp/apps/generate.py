@@ -411,9 +411,10 @@ def run_prompts_file(args, model, tok, plan, preheat, drafter=None) -> int:
                            "seed": None if args.seed is None else args.seed + i,
                            **{k: v for k, v in r.to_dict().items() if k not in ("tokens", "extra")}}
                           for i, (t, r) in enumerate(zip(texts, res))]}
+    hide = set(stops)  # as run's streamer: the stop id not printed (the summary names it; --json's text keeps it)
     for i, (t, r) in enumerate(zip(texts, res)):
         if not args.quiet:
-            print(f"[{i}] {t}{tok.decode(r.tokens, mark_missing=True)}")
+            print(f"[{i}] {t}{tok.decode([x for x in r.tokens if x not in hide], mark_missing=True)}")
     stats = f"[{args.mode}{method_label(plan, args.drafter)}] {len(prompts)} prompts in batches of " \
             f"{args.batch_size}: " \
             f"{total} tokens, {record['tokens_per_s']:.1f} tok/s, {stop_phrase(stops, source)}"

@@ -143,6 +143,26 @@ def test_the_summary_names_the_stop_ids_and_where_they_came_from(hf_dir, tmp_pat
     assert "stop ids none (--eos-id none: the whole --max-new-tokens budget)" in capsys.readouterr().out
 
 
+def test_a_prompts_file_row_prints_what_a_single_prompt_streams(hf_dir, tmp_path, capsys):
+    """A single --prompt streams its text without the stop id (the summary line names it); --prompts-file printed each
+    row with it (`t{stop}` or `</s>` glued to the reply), now that a plain prompt stops at the generation config's
+    ids. Reference: the single prompt's streamed line, and its tokens decoded without the last (the stop)."""
+    d, stop, ref = hf_dir
+    ck = tmp_path / "ck"
+    assert main(["convert", str(d), "--out", str(ck)]) == 0
+    _, tok = load(ck)
+    capsys.readouterr()
+    assert main(["generate", str(ck), "--prompt", PLAIN, "--max-new-tokens", str(N)]) == 0
+    single = capsys.readouterr().out.splitlines()[0]
+    assert single == PLAIN + tok.decode(ref[:-1]) and ref[-1] == stop
+    (tmp_path / "p.txt").write_text(f"{PLAIN}\n")
+    assert main(["generate", str(ck), "--prompts-file", str(tmp_path / "p.txt"), "--max-new-tokens", str(N),
+                 "--json", str(tmp_path / "b.json")]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"[0] {single}"
+    row = json.loads((tmp_path / "b.json").read_text())["results"][0]
+    assert row["tokens"] == ref and row["text"] == tok.decode(ref, mark_missing=True)  # the record keeps the stop
+
+
 def test_export_writes_the_list_and_transformers_stops_there(hf_dir, tmp_path):
     d, stop, ref = hf_dir
     assert main(["convert", str(d), "--out", str(tmp_path / "ck")]) == 0
