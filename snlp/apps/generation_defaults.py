@@ -182,8 +182,9 @@ def eos_flag(given) -> list[int] | None:
 def stop_ids_and_source(eos: list[int] | None, tok, chat: bool) -> tuple[list[int], str]:
     """The ids a `snlp generate` run stops after and where they came from (a key of STOP_SOURCES): `eos` (`eos_flag`:
     the flag's ids, [] for none) where given; else a converted model's `Tokenizer.stop_ids` for a plain prompt and a
-    chat alike (its generation config's eos_token_id list, which transformers' generate() stops after, else its
-    tokenizer's EOS, which `snlp export` writes as that list); for snlp's own BPE a chat stops at its end of turn
+    chat alike (its generation config's eos_token_id list, which transformers' generate() stops after, [] where
+    that config names none, else, for a checkpoint converted before the list was recorded, its tokenizer's EOS,
+    which `snlp export` writes as that list); for snlp's own BPE a chat stops at its end of turn
     (`chat_stop_ids`) and a plain prompt nowhere: the BPE has no end-of-text token, and its <|bos|> separates
     training documents, plain text cut into ~4 KB pieces among them, so a base model's <|bos|> need not end its
     text (--eos-id with its id stops there). [] is no stop id: the whole --max-new-tokens budget."""
@@ -191,7 +192,9 @@ def stop_ids_and_source(eos: list[int] | None, tok, chat: bool) -> tuple[list[in
         return list(eos), "flag"
     if tok.foreign:
         ids = list(tok.stop_ids)
-        return ids, ("generation_config" if tok.meta.get("eos_token_ids") else "tokenizer") if ids else "no_eos"
+        if "eos_token_ids" in tok.meta:  # recorded by `snlp convert`, [] where the source's config names no EOS
+            return ids, "generation_config"
+        return ids, "tokenizer" if ids else "no_eos"
     if chat:
         return list(tok.chat_stop_ids), "chat_format"
     return [], "own_tokenizer"
@@ -200,6 +203,8 @@ def stop_ids_and_source(eos: list[int] | None, tok, chat: bool) -> tuple[list[in
 def stop_phrase(ids: list[int], source: str) -> str:
     """The summary line's words for a run's stop ids: `stop ids 2 (the model's generation config, ...)`."""
     if not ids:
-        why = "--eos-id none" if source == "flag" else STOP_SOURCES[source]
+        why = "--eos-id none" if source == "flag" else \
+            "the model's generation config names no EOS, and transformers' generate() stops nowhere" \
+            if source == "generation_config" else STOP_SOURCES[source]
         return f"stop ids none ({why}: the whole --max-new-tokens budget)"
     return f"stop ids {','.join(map(str, ids))} ({STOP_SOURCES[source]})"

@@ -360,7 +360,9 @@ class SNLPLM(TemplateLM):
         """The ids generation stops after: the converted model's generation-config list (as transformers' generate
         under the harness's hf model); for snlp's own BPE (nanochat's format, no EOS) <|assistant_end|> and <|bos|>,
         where nanochat's engine ends a reply (Tokenizer.chat_stop_ids: else a chat model's answer runs on into a
-        made-up next turn, whose special tokens the answer's text drops)."""
+        made-up next turn, whose special tokens the answer's text drops). A generation config that names no EOS
+        ([]) stops at the tokenizer's EOS: the hf model's generate_until adds its text to every request's stop
+        strings (lm-eval's handle_stop_sequences), so its answers end there all the same."""
         return list(self.tokenizer.chat_stop_ids) or [self.eot_token_id]
 
     @property

@@ -518,12 +518,16 @@ def _effective_generation_defaults(d: dict) -> dict:
 
 def generation_eos_ids(hf_model) -> list[int] | None:
     """The end-of-sequence ids transformers' generate stops after for `hf_model`: its generation config's
-    eos_token_id (generation_config.json; without one, derived from config.json), as a list; None if it has none."""
+    eos_token_id (generation_config.json; without one, derived from config.json), as a list; [] where that config
+    names none (generate() then decodes its whole budget, though the tokenizer has an EOS); None only for a model
+    without a generation config (nothing to record: the tokenizer's EOS stops it)."""
     gc = getattr(hf_model, "generation_config", None)
+    if gc is None:
+        return None
     ids = getattr(gc, "eos_token_id", None)
     if ids is None:
-        return None
-    return [int(i) for i in ([ids] if isinstance(ids, int) else ids)] or None
+        return []
+    return [int(i) for i in ([ids] if isinstance(ids, int) else ids)]
 
 
 # ----------------------------------------------------------------------------------------------- export

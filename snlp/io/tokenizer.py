@@ -40,8 +40,10 @@ class Tokenizer:
     """Thin wrapper over a `tokenizers.Tokenizer`: encode/decode, bos_id, eos_id, vocab_size, save/load,
     chat template. `meta` is None for our own BPE; for a foreign (converted) tokenizer it holds
     {"bos_token", "eos_token", "chat_template"} (each may be None), "pad_token" / "unk_token" where the source has
-    them, when the model's generation config lists them "eos_token_ids": every id generation stops after
-    (`stop_ids`), "generation_config": the source's other generation defaults, and "model_max_length" /
+    them, "eos_token_ids": every id generation stops after (`stop_ids`), the source generation config's list as
+    `snlp convert` recorded it ([] where that config names no EOS: transformers' generate() then stops nowhere;
+    absent in a checkpoint converted before the list was recorded: the tokenizer's EOS then stops it),
+    "generation_config": the source's other generation defaults, and "model_max_length" /
     "padding_side" / "truncation_side" where the source sets them: `snlp export` writes all of these back."""
 
     def __init__(self, tok: HFTokenizer, meta: dict | None = None):
@@ -57,10 +59,12 @@ class Tokenizer:
                 raise ValueError(f"tokenizer meta extra_special_tokens={extra!r} must be a list of tokens of this "
                                  f"tokenizer's vocabulary")
             ids = meta.get("eos_token_ids")
-            if ids is not None and not (isinstance(ids, list) and ids and all(
+            # [] is recorded: the source's generation config names no EOS (a key left out is a checkpoint converted
+            # before the list was recorded), so only a non-list or an id outside the vocabulary is refused
+            if ids is not None and not (isinstance(ids, list) and all(
                     isinstance(i, int) and 0 <= i < tok.get_vocab_size(with_added_tokens=True) for i in ids)):
-                raise ValueError(f"tokenizer meta eos_token_ids={ids!r} must be a non-empty list of token ids of "
-                                 f"this tokenizer")
+                raise ValueError(f"tokenizer meta eos_token_ids={ids!r} must be a list of token ids of this tokenizer "
+                                 f"([]: the generation config names none)")
             return
         missing = [s for s in SPECIAL_TOKENS if tok.token_to_id(s) is None]
         if missing:
@@ -325,10 +329,12 @@ class Tokenizer:
     @property
     def stop_ids(self) -> tuple[int, ...]:
         """The ids generation stops after, as transformers' generate stops: the model's generation config's
-        eos_token_id list when the converted model has one (Llama-3-Instruct and Qwen2.5 list several, not all of
-        them the tokenizer's EOS), else the tokenizer's EOS; () for our BPE (no end-of-text token)."""
+        eos_token_id list where `snlp convert` recorded one (Llama-3-Instruct and Qwen2.5 list several, not all of
+        them the tokenizer's EOS; () where the config names none: generate() then decodes its whole budget), else
+        (a checkpoint converted before the list was recorded, or a tokenizer alone) the tokenizer's EOS; () for our
+        BPE (no end-of-text token)."""
         ids = (self.meta or {}).get("eos_token_ids")
-        if ids:
+        if ids is not None:
             return tuple(ids)
         return () if self.eos_id is None else (self.eos_id,)
 
@@ -350,12 +356,14 @@ class Tokenizer:
         return list(self.encode(self.apply_chat_template(messages)))
 
     def with_stop_ids(self, ids) -> "Tokenizer":
-        """This (foreign) tokenizer with `ids` (an int, a list of ints, or None: none recorded) as its stop ids."""
+        """This (foreign) tokenizer with `ids` as its stop ids: an int or a list of ints, [] for none (the
+        generation config names no EOS: `stop_ids` is then empty), None for none recorded (`stop_ids` falls back to
+        the tokenizer's EOS)."""
         if self.meta is None:
             raise ValueError("only a converted model's tokenizer records generation stop ids")
         ids = None if ids is None else [int(i) for i in ([ids] if isinstance(ids, int) else ids)]
         meta = {k: v for k, v in self.meta.items() if k != "eos_token_ids"}
-        return Tokenizer(self.tok, {**meta, "eos_token_ids": list(dict.fromkeys(ids))} if ids else meta)
+        return Tokenizer(self.tok, meta if ids is None else {**meta, "eos_token_ids": list(dict.fromkeys(ids))})
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render chat messages [{"role", "content"}, ...] with the tokenizer's own chat template

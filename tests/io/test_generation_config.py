@@ -175,6 +175,118 @@ def test_export_writes_the_list_and_transformers_stops_there(hf_dir, tmp_path):
     assert again == ref
 
 
+@pytest.fixture(scope="module")
+def no_eos_dir(tmp_path_factory):
+    """A transformers directory whose generation config names no EOS (eos_token_id None; config.json keeps the
+    tokenizer's </s>, as Llama's does) and whose tokenizer has </s>: transformers' generate() then decodes the whole
+    budget. The rows of </s> and of a token greedy decoding of PROMPT first emits at step k are swapped in the
+    embedding and the head (the same model with two ids renamed), so </s> is a greedy token inside the budget."""
+    hf = tiny_llama()
+    with torch.no_grad():
+        free = hf.generate(torch.tensor([PROMPT]), max_new_tokens=N, min_new_tokens=N, do_sample=False,
+                           pad_token_id=0)[0, len(PROMPT):].tolist()
+        k = next(i for i in range(3, N - 2) if free[i] not in free[:i] and EOS not in free[:i + 1])
+        for w in (hf.model.embed_tokens.weight, hf.lm_head.weight):
+            w[[free[k], EOS]] = w[[EOS, free[k]]].clone()
+    hf.generation_config.eos_token_id = None
+    d = tmp_path_factory.mktemp("hf_no_eos") / "model"
+    hf.save_pretrained(str(d))
+    word_tokenizer(V).save_pretrained(str(d))
+    assert "eos_token_id" not in json.loads((d / "generation_config.json").read_text())
+    assert json.loads((d / "config.json").read_text())["eos_token_id"] == EOS
+    ref = greedy_generate(d, PROMPT)  # the outside reference: transformers' generate() of the folder
+    assert len(ref) == N and ref[k] == EOS and ref[:k] == free[:k]
+    return d, ref
+
+
+def greedy_generate(d, prompt: list[int]) -> list[int]:
+    """transformers' generate() of the folder `d` (its own generation config; fp32, greedy): the new tokens."""
+    with torch.no_grad():
+        return transformers.AutoModelForCausalLM.from_pretrained(str(d)).eval().generate(
+            torch.tensor([prompt]), max_new_tokens=N, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("mode", ["sequential", "snlp"])
+def test_a_source_naming_no_eos_decodes_the_whole_budget_as_transformers_does(no_eos_dir, tmp_path, capsys, mode):
+    """A source whose generation config names no EOS: transformers' generate() decodes the whole budget, past the
+    tokenizer's </s>, while the converted model stopped at </s> (source "tokenizer"): the checkpoint had no record
+    telling it from one converted before the EOS list was recorded. `snlp convert` now records the empty list, and
+    `snlp generate` (plain prompt and --chat) decodes the budget, as transformers' generate() of the folder."""
+    d, ref = no_eos_dir
+    ck = tmp_path / "ck"
+    assert main(["convert", str(d), "--out", str(ck)]) == 0
+    assert json.loads((ck / "tokenizer_meta.json").read_text())["eos_token_ids"] == []
+    _, tok = load(ck)
+    assert tok.stop_ids == () and tok.chat_stop_ids == () and tok.eos_id == EOS
+    capsys.readouterr()
+    out = tmp_path / "g.json"
+    assert main(["generate", str(ck), "--prompt", PLAIN, "--max-new-tokens", str(N), "--mode", mode, *MODES[mode],
+                 "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["tokens"] == ref and got["stop"] == "max_new_tokens"
+    assert (got["stop_ids"], got["stop_ids_source"]) == ([], "generation_config")
+    assert "stop ids none (the model's generation config names no EOS" in capsys.readouterr().out.splitlines()[-2]
+    chat = tok.chat_prompt([{"role": "user", "content": "t3 t7"}])
+    assert main(["generate", str(ck), "--prompt", "t3 t7", "--chat", "--max-new-tokens", str(N), "--mode", mode,
+                 *MODES[mode], "--quiet", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["tokens"] == greedy_generate(d, chat)
+
+
+def test_export_of_a_source_naming_no_eos_writes_none_and_generates_as_the_source(no_eos_dir, tmp_path):
+    """`snlp export` wrote the tokenizer's </s> as the generation config's EOS of a source that named none, so
+    transformers' generate() of the export stopped where that of the source did not. Reference: generate() of the
+    source folder, tokens identical."""
+    d, ref = no_eos_dir
+    assert main(["convert", str(d), "--out", str(tmp_path / "ck")]) == 0
+    assert main(["export", str(tmp_path / "ck"), "--out", str(tmp_path / "exp")]) == 0
+    assert json.loads((tmp_path / "exp" / "generation_config.json").read_text()).get("eos_token_id") is None
+    assert transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exp")).generation_config.eos_token_id \
+        is None
+    assert greedy_generate(tmp_path / "exp", PROMPT) == ref
+    _, again = load(tmp_path / "ck")  # converting the export again records the same none
+    assert main(["convert", str(tmp_path / "exp"), "--out", str(tmp_path / "ck2")]) == 0
+    assert load(tmp_path / "ck2")[1].stop_ids == again.stop_ids == ()
+
+
+def test_a_checkpoint_converted_before_the_list_was_recorded_stops_at_the_tokenizers_eos(no_eos_dir, tmp_path):
+    """A checkpoint whose tokenizer_meta.json has no eos_token_ids (converted before the list was recorded) keeps
+    stopping at the tokenizer's EOS, and its export names that EOS, as before. Reference: the source's whole-budget
+    greedy tokens cut after their first </s>; transformers' generate() of the export."""
+    d, ref = no_eos_dir
+    ck = tmp_path / "ck"
+    assert main(["convert", str(d), "--out", str(ck)]) == 0
+    meta = json.loads((ck / "tokenizer_meta.json").read_text())
+    meta.pop("eos_token_ids", None)  # (a source without a list: none was recorded)
+    (ck / "tokenizer_meta.json").write_text(json.dumps(meta))
+    cut = ref[:ref.index(EOS) + 1]
+    assert load(ck)[1].stop_ids == (EOS,)
+    out = tmp_path / "g.json"
+    assert main(["generate", str(ck), "--prompt", PLAIN, "--max-new-tokens", str(N), "--quiet",
+                 "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["tokens"] == cut and (got["stop_ids"], got["stop_ids_source"]) == ([EOS], "tokenizer")
+    assert main(["export", str(ck), "--out", str(tmp_path / "exp")]) == 0
+    assert json.loads((tmp_path / "exp" / "generation_config.json").read_text())["eos_token_id"] == EOS
+    assert greedy_generate(tmp_path / "exp", PROMPT) == cut
+
+
+def test_recorded_stop_ids_none_differs_from_none_recorded(no_eos_dir):
+    """Tokenizer.with_stop_ids: [] records that the generation config names no EOS (stop_ids empty), None records
+    nothing (the tokenizer's EOS); a recorded list must hold ids of the vocabulary, [] included."""
+    from snlp.io.tokenizer import Tokenizer
+
+    d, _ = no_eos_dir
+    tok = Tokenizer.from_hf(transformers.AutoTokenizer.from_pretrained(str(d)))
+    assert "eos_token_ids" not in tok.meta and tok.stop_ids == (EOS,)
+    assert tok.with_stop_ids([]).stop_ids == () and tok.with_stop_ids([]).meta["eos_token_ids"] == []
+    assert tok.with_stop_ids([]).with_stop_ids(None).stop_ids == (EOS,)
+    assert tok.with_stop_ids([7, EOS, 7]).stop_ids == (7, EOS)
+    assert Tokenizer(tok.tok, {**tok.meta, "eos_token_ids": []}).stop_ids == ()
+    for bad in ([V], [-1], "95", 95):
+        with pytest.raises(ValueError, match="eos_token_ids"):
+            Tokenizer(tok.tok, {**tok.meta, "eos_token_ids": bad})
+
+
 def test_harness_generation_stops_at_the_generation_config_ids(hf_dir, tmp_path):
     pytest.importorskip("lm_eval")
     from snlp.eval.harness import SNLPLM
