@@ -625,6 +625,21 @@ def stepping_recorded(trains) -> bool:
     return bool(trains) and all(t.get("stepping_tok_s") and t.get("mean_step_s") for t in trains)
 
 
+def warm_steps_text(trains: dict[str, dict]) -> str:
+    """Which steps the paces left out: each training leg's first step where the records name them (`warm_steps`: step
+    1 and the first step after each resume), else "start-up" (older records left out step 1 only)."""
+    named = [(label, trains[k].get("warm_steps")) for k, label in MODELS if k in trains]
+    if not named or any(w is None for _, w in named):
+        return "start-up"
+    if all(w == [1] for _, w in named):
+        return "step 1 (start-up)"
+
+    def steps(w):
+        return f"step {w[0]}" if len(w) == 1 else "steps " + ", ".join(map(str, w))
+    return ("each training leg's first step (caches built, compiled anew: " +
+            "; ".join(f"{label} {steps(w)}" for label, w in named) + ")")
+
+
 def training_table(tok: dict, trains: dict[str, dict]) -> str:
     stepping = stepping_recorded(trains[k] for k, _ in MODELS)
     lines = [f"| Model | Steps | Tokens | Train time | tok/s ({'stepping' if stepping else 'median'}) | Own step "
@@ -1600,8 +1615,8 @@ def render_report(ctx: dict) -> str:
            training_table(st["tokenizer"]["result"], trains),
            "\n" + details("The columns", f"K=1 gap: relative error of the K=1 SNLP final state vs sequential on the last N = {N} layers "
            f"(the regulariser's term, `gap_N{N}` of the training log), at step 0 and at the end. "
-           + ("tok/s (stepping): the tokens of the steps over the sum of their wall-clock times, start-up and "
-              "validation passes left out (Train time holds them)" if stepping else
+           + ("tok/s (stepping): the tokens of the steps over the sum of their wall-clock times, "
+              + warm_steps_text(trains) + " and validation passes left out (Train time holds them)" if stepping else
               "tok/s (median): tokens per wall-clock second of each training step, the median over steps")
            + ("; the two trained side by side in lockstep, so each waits for the slower one and this is the pair's "
               "pace (the two differ only by when each step's clock stops)" if lockstep else

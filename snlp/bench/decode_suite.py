@@ -227,6 +227,13 @@ class DecodeSuiteRow:
     #                                         the run's repetition penalty, DecodeSuiteMeta.repetition_penalty)
     mismatched_rows: int | None = None  # prompts whose tokens differ from that reference
     first_mismatch: int | None = None  # earliest differing token position over the prompts
+    # tokens each prompt got in the row's last call (prompt order), and each timed call's total (what its tok/s
+    # divides by `seconds` of the same index): EOS is off on every row, so each equals new tokens unless it stops short
+    generated: list[int] | None = None
+    generated_per_call: list[int] = field(default_factory=list)
+    # every call (warm-up included) gave each prompt as many tokens as the sequential reference: the "same prompts,
+    # same token counts" the x seq and the comparisons stand on; False: they are flagged as over other counts
+    same_counts: bool | None = None
     alpha: float | None = None  # snlp speculative rows: the acceptance rate (last round)
     first_call_s: float | None = None  # the untimed first call (compilation included: transformers' too)
     compile_s: float | None = None  # snlp compiled rows: what this row's own calls compiled, never timed; a step
@@ -642,6 +649,13 @@ def fold_tokens(row: DecodeSuiteRow, got: list[list[int]], ref: list[list[int]])
         row.first_mismatch = min(pos + ([row.first_mismatch] if row.first_mismatch is not None else []))
 
 
+def fold_counts(row: DecodeSuiteRow, got: list[list[int]], ref: list[list[int]]) -> None:
+    """Fold one call's token counts into the row: each prompt's count (the last call's) and whether every call so far
+    generated, prompt by prompt, as many tokens as the reference."""
+    row.generated = [len(t) for t in got]
+    row.same_counts = row.generated == [len(r) for r in ref] and row.same_counts is not False
+
+
 def round_robin_calls(fns: dict, rows: list, warmup: int, rounds: int, device, check,
                       on_progress=None) -> dict[int, list[float]]:
     """Seconds per timed call of each fns[i], round-robin after `warmup` untimed rounds (at least one: the first
@@ -662,6 +676,8 @@ def round_robin_calls(fns: dict, rows: list, warmup: int, rounds: int, device, c
                 where = "its first call" if r == 0 else f"{'timed' if timed else 'warm-up'} round {r + 1}"
                 rows[i].skipped = f"failed in {where}: {failure(e)}"
                 rows[i].matches_sequential = rows[i].mismatched_rows = rows[i].first_mismatch = None
+                rows[i].generated = rows[i].same_counts = None
+                rows[i].generated_per_call = []
                 # figures an on_progress filled in from its earlier rounds go too: a skipped row reports no speed
                 rows[i].tokens_per_s = rows[i].tokens_per_s_min = rows[i].tokens_per_s_max = None
                 rows[i].speedup = rows[i].alpha = rows[i].compile_s = None
@@ -724,12 +740,14 @@ def run_batch(model: GPT, hf, prompts: list, ref: list, cfg: DecodeSuiteConfig, 
         row, res = rows[i], results[i]
         got = _tokens(res) if row.library == "snlp" else res
         fold_tokens(row, got, ref)
+        fold_counts(row, got, ref)
         made.setdefault(i, []).append(sum(len(t) for t in got))  # what this call generated, not the budget
 
     def fill(times: dict[int, list[float]]) -> None:  # the rows' figures from the calls so far
         for i, secs in times.items():
             row, res = rows[i], results.get(i)
             row.seconds = list(secs)
+            row.generated_per_call = list(made[i][-len(secs):]) if secs else []
             if secs:  # the timed calls are row i's last len(secs) calls (warm-up first; a failed call ends its row)
                 tps = sorted(c / s for c, s in zip(made[i][-len(secs):], secs))
                 row.tokens_per_s, row.tokens_per_s_min, row.tokens_per_s_max = statistics.median(tps), tps[0], tps[-1]
@@ -900,6 +918,8 @@ def markdown(result: DecodeSuiteResult) -> str:
         eq = "-" if r.matches_sequential is None else "yes" if r.matches_sequential else \
             f"no ({r.mismatched_rows}/{r.prompts or r.batch} prompts, from token {r.first_mismatch})"
         note = r.skipped or ("" if r.exact else approximate_note(r.plan))
+        if r.same_counts is False and not r.skipped:
+            note = (note + "; " if note else "") + other_counts(r, result.reference)
         if not r.skipped and len(r.seconds) < cfg.rounds:
             note = (note + "; " if note else "") + (f"{len(r.seconds)} of {cfg.rounds} timed rounds" if r.seconds
                                                     else "not timed yet" if r.matches_sequential is not None
@@ -984,14 +1004,25 @@ def comparisons(rows: list[DecodeSuiteRow]) -> list[str]:
     return out
 
 
+def other_counts(r: DecodeSuiteRow, reference: list[list[int]] | None = None) -> str:
+    """What the table and a comparison line say of a row whose calls generated other token counts than the sequential
+    reference: its tok/s is over other work, so its x seq is no like-for-like ratio."""
+    if r.generated is None:
+        return "other token counts than snlp sequential's (its tok/s is over other work)"
+    want = f" where snlp sequential generated {sum(len(x) for x in reference[:len(r.generated)])}" if reference else ""
+    return (f"other token counts than snlp sequential's: its last call generated {sum(r.generated)}{want} (its tok/s "
+            f"is over other work)")
+
+
 def _other_tokens(r: DecodeSuiteRow) -> str:
     """What a comparison line says of a transformers row whose tokens are not snlp sequential's (its "= seq" no):
     the snlp side of the line decodes the sequential tokens, so a line that left this out would compare decoders
     of different text as if they were alike."""
+    counts = f"; {other_counts(r)}" if r.same_counts is False else ""
     if r.matches_sequential is not False:
-        return ""
-    return (f"; its tokens differ from snlp sequential's on {r.mismatched_rows}/{r.prompts or r.batch} prompts, from "
-            f"token {r.first_mismatch}")
+        return counts
+    return counts + (f"; its tokens differ from snlp sequential's on {r.mismatched_rows}/{r.prompts or r.batch} "
+                     f"prompts, from token {r.first_mismatch}")
 
 
 def progress_line(result, what: str) -> None:

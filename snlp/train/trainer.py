@@ -102,6 +102,9 @@ class LoopState:
     mfu: float | None = None  # the last step's MFU (logged on every row)
     peer_signal: int = 0  # the highest signal number any rank had taken by this process's last save (0: none)
     resumed: bool = False  # this process continues a saved run (--resume)
+    # the last trained step's log.jsonl row and its MFU while it is not yet written (a step off --log-every): a run that
+    # ends on a skipped step or between steps writes it before its stop row, so the log always holds its last step
+    unlogged: tuple[dict, float | None] | None = None
 
 
 @dataclass
@@ -264,6 +267,7 @@ def train_loop(run: Run, state: LoopState) -> None:
                 # file): the last step's record went out without it, so the log says it on its own row, at the run's
                 # clock of that step as every row, the checkpoint and the summary say it (not the wall time of the
                 # decision: the hold before_step waited, a lockstep gate's, is no training time)
+                log_last_step(run, state)
                 write_log(run, {"step": state.step, "elapsed": run.progress.elapsed, "stop": state.stopped_by},
                           state.mfu)
                 break
@@ -439,7 +443,9 @@ def skip_step(run: Run, state: LoopState) -> StepStats:
 def log_skip(run: Run, state: LoopState) -> None:
     """A skipped step's log.jsonl row: the trained steps so far (`step`), the micro-batch index of the skipped step's
     first micro-batch (`skipped_micro`: a resume trims the rows of the micro-batches it draws again, trim_log), the
-    skips so far, the clock, and the run's stop when it ends here."""
+    skips so far, the clock, and the run's stop when it ends here (after the last trained step's row)."""
+    if state.stopped_by is not None:
+        log_last_step(run, state)
     write_log(run, {"step": state.step, "skipped_micro": state.micro - run.cfg.grad_accum, "skipped": state.skipped,
                     "why": run.job.skip_empty, "elapsed": run.progress.elapsed,
                     **({"stop": state.stopped_by} if state.stopped_by is not None else {})}, state.mfu)
@@ -540,11 +546,24 @@ def log_step(run: Run, state: LoopState, st: StepStats) -> None:
         run.bar.set_postfix(loss=f"{st.loss:.3f}", **{reg_key: f"{st.reg:.3f}"}, tok_s=f"{st.tok_s:,.0f}",
                             lr=f"{run.opts[0].param_groups[0]['lr']:.2e}", refresh=False)
     end = state.stopped_by is not None
+    # `leg_start`: this process's first trained step (step 1, or the one after a resumed run's checkpoint): it builds
+    # the caches and, compiled, compiles again, so a reader of `step_s` / `tok_s` leaves it out of a steady pace
+    row = {"step": state.step, "loss": st.loss, reg_key: st.reg, **({} if own else {"lambda": st.lam}),
+           "tok_s": st.tok_s, "elapsed": run.progress.elapsed, "lr_scale": st.lr_scale, "grad_norm": st.grad_norm,
+           "step_s": st.step_s, **({"leg_start": True} if state.step == state.first_step + 1 else {})}
     if state.step % run.cfg.log_every == 0 or state.step == 1 or end:
-        write_log(run, {"step": state.step, "loss": st.loss, reg_key: st.reg, **({} if own else {"lambda": st.lam}),
-                        "tok_s": st.tok_s,
-                        "elapsed": run.progress.elapsed, "lr_scale": st.lr_scale, "grad_norm": st.grad_norm,
-                        "step_s": st.step_s, **({"stop": state.stopped_by} if end else {})}, st.mfu)
+        write_log(run, {**row, **({"stop": state.stopped_by} if end else {})}, st.mfu)
+        state.unlogged = None
+    else:
+        state.unlogged = (row, st.mfu)
+
+
+def log_last_step(run: Run, state: LoopState) -> None:
+    """The last trained step's row where --log-every left it out and the run ends on a row of its own (a stop on a
+    skipped step or between steps): log_step's "and at the end" holds for the last step that trained."""
+    if state.unlogged is not None:
+        write_log(run, *state.unlogged)
+        state.unlogged = None
 
 
 def validate_and_log(run: Run, state: LoopState) -> None:

@@ -389,6 +389,39 @@ def test_interrupted_training_resumes(tmp_path, capsys):
     assert [r[0] for r in train_summary(job, tok["fingerprint"], 0.0)["val_curve"]] == [0, 6]
 
 
+def test_the_training_summary_leaves_out_each_legs_first_step(tmp_path):
+    """A resumed leg's first step builds the caches again (compiled: recompiles), so the stage result's paces
+    (mean_step_s, stepping_tok_s, and the medians) leave it out as they leave out step 1; counted as a steady step it
+    moved the pace the report prints. Reference: the log's own rows of the steps that neither leg started with,
+    picked by the step numbers the two legs ran (1-3, then 4-6 resumed from step 3's save)."""
+    import dataclasses
+
+    from snlp.apps.speedrun.train import TrainJob, train_config, train_summary
+    from snlp.train.checkpointing import read_log
+    from snlp.train.trainer import fit
+
+    cfg, cache, tok = _tiny_corpus(tmp_path)
+    job = TrainJob("m", train_config(cfg, tmp_path / "m", cache, reg=False, steps=6), {"any": "settings"},
+                   tmp_path / "m.partial.json")
+    assert fit(dataclasses.replace(job.cfg, stop_after=3)).steps == 3
+    assert fit(dataclasses.replace(job.cfg, resume=True)).steps == 6
+    rows = {r["step"]: r for r in read_log(job.model_dir / "log.jsonl") if "loss" in r}
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6]  # log_every 1
+    steady = [rows[s] for s in (2, 3, 5, 6)]
+    res = train_summary(job, tok["fingerprint"], 0.0)
+    assert res["steps"] == 6
+    assert res["mean_step_s"] == pytest.approx(statistics.fmean(r["step_s"] for r in steady), rel=1e-12)
+    assert res["median_step_s"] == pytest.approx(statistics.median(r["step_s"] for r in steady), rel=1e-12)
+    assert res["stepping_tok_s"] == pytest.approx(4 / sum(1 / r["tok_s"] for r in steady), rel=1e-12)
+    assert res["median_tok_s"] == pytest.approx(statistics.median(r["tok_s"] for r in steady), rel=1e-12)
+    assert [s for s in rows if rows[s].get("leg_start")] == [1, 4]  # what the summary reads them by
+    assert res["warm_steps"] == [1, 4]  # and the report's caption names them, not "start-up" alone
+    from snlp.apps.report import warm_steps_text
+    assert "No Reg. steps 1, 4; IDN Reg. steps 1, 4" in warm_steps_text({"noreg": res, "idn": res})
+    old = {k: v for k, v in res.items() if k != "warm_steps"}  # a record written before the legs were told apart
+    assert warm_steps_text({"noreg": old, "idn": res}) == "start-up"
+
+
 # the speedrun's parent side of training (snlp speedrun.run arms the same signals), run as its own process
 PARENT = """
 import dataclasses, json, sys
@@ -1785,7 +1818,7 @@ def test_the_training_result_keeps_each_models_own_step():
 
     log = [{"step": 0, "val_loss": 8.0}, {"step": 1, "step_s": 9.0}, {"step": 2, "step_s": 1.0},
            {"step": 3, "step_s": 3.0}, {"step": 4, "step_s": 2.0}]
-    assert _median_step_s(log, first_step=2) == 2.0
+    assert _median_step_s(log) == 2.0
 
 
 def test_the_training_medians_of_an_even_number_of_steps_are_the_median():
@@ -1798,8 +1831,8 @@ def test_the_training_medians_of_an_even_number_of_steps_are_the_median():
     secs, rates = [1.0, 2.0, 3.0, 10.0], [400.0, 100.0, 300.0, 200.0]
     log = [{"step": 1, "step_s": 50.0, "tok_s": 5.0}] + [{"step": i + 2, "step_s": s, "tok_s": t}
                                                          for i, (s, t) in enumerate(zip(secs, rates))]
-    assert _median_step_s(log, first_step=2) == np.median(secs) == 2.5
-    assert _median_tok_s(log, first_step=2) == np.median(rates) == 250.0
+    assert _median_step_s(log) == np.median(secs) == 2.5
+    assert _median_tok_s(log) == np.median(rates) == 250.0
 
 
 def test_full_records_compare_with_the_sequential_model():

@@ -9,6 +9,7 @@ import importlib
 import json
 import math
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -692,6 +693,70 @@ def test_tokens_per_s_counts_the_tokens_a_call_generated_not_the_budget(monkeypa
     assert short.matches_sequential is False and full.matches_sequential
     assert short.tokens_per_s == pytest.approx(statistics.median(2 * (8 - 3) / s for s in short.seconds))
     assert full.tokens_per_s == pytest.approx(statistics.median(2 * 8 / s for s in full.seconds))
+
+
+def test_each_row_records_the_tokens_its_calls_generated_and_other_counts_are_flagged(monkeypatch):
+    """The JSON holds what each row generated (per prompt in its last call, per timed call in all), so a reader can
+    check the "same prompts, same token counts" its x seq stands on; a row whose calls generated other counts than
+    the sequential reference (here 3 tokens of every prompt dropped) says so in the table and on a comparison line.
+    Reference: the tokens every call of each row returned, recorded here as they come back."""
+    from snlp.bench import decode_suite as ds
+
+    made, returned = ds._snlp_methods, {}
+
+    def recording(*a, **k):
+        out = []
+        for kw, step, fn in made(*a, **k) + [(dict(made(*a, **k)[0][0], method="snlp short"), None, None)]:
+            if fn is None:  # snlp sequential, eager, with its last 3 tokens of every prompt dropped
+                base = out[0][2]
+
+                def fn(base=base):
+                    res = base.__wrapped__()
+                    for r in res:
+                        r.tokens = r.tokens[:-3]
+                    return res
+                step = out[0][1]
+
+            def call(fn=fn, m=kw["method"], t=kw["treatment"]):
+                res = fn()
+                returned.setdefault((m, t), []).append([len(r.tokens) for r in res])
+                return res
+            call.__wrapped__ = fn
+            out.append((kw, step, call))
+        return out
+    monkeypatch.setattr(ds, "_snlp_methods", recording)
+    cfg = ds.DecodeSuiteConfig(quick=True, batch_sizes=(2,), transformers=False, methods=("snlp", "speculative"),
+                               rounds=3, warmup=1, plans=("6xF1-h0-K6",))
+    res = ds.run_decode_suite(cfg)
+    rows = {(r.method, r.treatment, r.block): r for r in res.rows if not r.skipped}
+    assert len(rows) == 4  # sequential, snlp, speculative (block 4), short (the hf rows: skipped, --no-transformers)
+    for (m, t, _), r in rows.items():
+        calls = returned[(m, t)]
+        assert len(calls) == 1 + cfg.rounds and r.generated == calls[-1]
+        assert r.generated_per_call == [sum(c) for c in calls[1:]] and len(r.seconds) == cfg.rounds
+        assert r.tokens_per_s == pytest.approx(statistics.median(n / s for n, s in zip(r.generated_per_call,
+                                                                                       r.seconds)))
+        assert r.same_counts == (calls == [[len(x) for x in res.reference[:2]]] * len(calls)), m
+    short = rows[("snlp short", "eager", None)]
+    assert short.same_counts is False and short.generated == [8 - 3, 8 - 3]
+    assert all(r.same_counts for k, r in rows.items() if k[0] != "snlp short")
+    line = next(ln for ln in markdown(res).splitlines() if "| snlp short |" in ln)
+    assert "other token counts than snlp sequential's: its last call generated 10 where snlp sequential generated 16" \
+        in line
+    js = res.to_dict()["rows"]
+    assert [(r["generated"], r["generated_per_call"], r["same_counts"]) for r in js] == \
+        [(r.generated, r.generated_per_call, r.same_counts) for r in res.rows]
+    # a comparison line flags a transformers row of other counts, as it flags one of other tokens
+    from snlp.bench.decode_suite import DecodeSuiteRow, comparisons
+
+    def row(method, tps, **kw):
+        return DecodeSuiteRow(method=method, library="snlp" if method.startswith("snlp") else "transformers",
+                              treatment="eager", batch=1, prompts=2, tokens_per_s=tps, tokens_per_s_min=tps - 5,
+                              tokens_per_s_max=tps + 5, seconds=[1.0] * 5, matches_sequential=True, **kw)
+    lines = comparisons([row("snlp sequential", 100, generated=[8, 8], same_counts=True),
+                         row("hf greedy", 50, generated=[8, 4], same_counts=False)])
+    assert lines[0].endswith("(hf greedy; other token counts than snlp sequential's: its last call generated 12 (its "
+                             "tok/s is over other work))")
 
 
 def test_a_causal_plan_is_never_called_exact_and_its_speculative_rows_are():

@@ -241,11 +241,11 @@ def test_training_pace_is_tokens_over_the_summed_step_time_not_a_median():
     log = [{"step": 0, "val_loss": 8.0}, {"step": 1, "tok_s": 50.0, "step_s": 9.0}] + \
         [{"step": s, "tok_s": x, "step_s": 2048 / x} for s, x in zip(range(2, 8), [1000, 1000, 1000, 1000, 250, 250])]
     walls = [2048 / x for x in (1000, 1000, 1000, 1000, 250, 250)]
-    assert _stepping_tok_s(log, 2) == pytest.approx(6 * 2048 / sum(walls))  # 500 tok/s; the median says 1000
-    assert _mean_step_s(log, 2) == pytest.approx(sum(walls) / 6)
+    assert _stepping_tok_s(log) == pytest.approx(6 * 2048 / sum(walls))  # 500 tok/s; the median says 1000
+    assert _mean_step_s(log) == pytest.approx(sum(walls) / 6)
     train = {"steps": 6, "tokens": 6 * 2048, "train_seconds": 40.0, "median_tok_s": 1000.0, "gap_at_0": 0.5, "gap": 0.1,
-             "val_loss": 4.0, "median_step_s": 2.048, "stepping_tok_s": _stepping_tok_s(log, 2),
-             "mean_step_s": _mean_step_s(log, 2)}
+             "val_loss": 4.0, "median_step_s": 2.048, "stepping_tok_s": _stepping_tok_s(log),
+             "mean_step_s": _mean_step_s(log)}
     tt = training_table({"unigram_ce": 5.0}, {"noreg": train, "idn": train})
     assert "tok/s (stepping)" in tt and "Own step (mean; tok/s)" in tt and "| 500 |" in tt
     ctx = {"stages": {"train-noreg": {"result": train}, "train-idn": {"result": train}}, "parallel": True}

@@ -603,6 +603,34 @@ def test_a_step_without_reply_positions_is_skipped_and_the_run_equals_a_naive_fp
     assert rec["steps"] == cfg.steps and rec["skipped_steps"] == len(skipped)
 
 
+@pytest.mark.parametrize("hook", ["should_stop", "before_step"])
+def test_a_run_that_stops_on_a_skipped_step_logs_its_last_trained_step(tmp_path, hook):
+    """A stop decided on a skipped step (should_stop after it) or between steps right after one (before_step) ends the
+    run on a row of its own; the last trained step's loss row is in log.jsonl all the same, off --log-every (10) as it
+    is: every run's log ends with its last trained step, as one that stops right after a trained step does. Reference:
+    the run's own step count and the micro-batches the stream leaves empty."""
+    from snlp.train.adapt import adapt
+    from snlp.train.hooks import TrainHooks
+
+    cfg, _, _, empty = sparse_replies_cfg(tmp_path, steps=8)
+    assert empty[:2] == [0, 3]  # micro 1, 2: steps 1, 2; micro 3: a skip after step 2, off --log-every and not step 1
+    seen: list = []
+
+    def stop(step):  # asked after every step (should_stop) or before each (before_step); a skip leaves `step` as it was
+        seen.append(step)  # the second ask at step 2: after the skip of micro 3 (should_stop) or before the next step
+        return "stop_file" if seen.count(2) == 2 else None
+
+    res = adapt(cfg, TrainHooks(**{hook: stop}))
+    assert res.steps == 2 and res.skipped_steps == 2 and res.stopped_by == "stop_file"
+    rows = [json.loads(ln) for ln in (tmp_path / "d" / "log.jsonl").read_text().splitlines()]
+    trained = [r["step"] for r in rows if "loss" in r]
+    assert trained == [1, res.steps]  # the last trained step's row, written before the stop's
+    last = max(i for i, r in enumerate(rows) if "loss" in r)
+    stops = [i for i, r in enumerate(rows) if "stop" in r]
+    assert len(stops) == 1 and stops[0] > last and rows[stops[0]]["step"] == res.steps
+    assert [r["skipped_micro"] for r in rows if "skipped_micro" in r] == empty[:2]
+
+
 def load_file_tensors(path):
     from safetensors.torch import load_file
 
@@ -641,7 +669,7 @@ def test_a_run_killed_after_a_skipped_step_resumes_to_the_uninterrupted_run(tmp_
     assert (two.steps, two.skipped_steps) == (one.steps, one.skipped_steps) and one.skipped_steps >= 2
     wa, wb = (load_file(str(tmp_path / x / "drafter.safetensors")) for x in ("a", "b"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    clock = {"elapsed", "tok_s", "step_s", "mfu"}
+    clock = {"elapsed", "tok_s", "step_s", "mfu", "leg_start"}  # leg_start: the resumed leg's first step, timed apart
     rows = [[{k: v for k, v in json.loads(ln).items() if k not in clock}
              for ln in (tmp_path / x / "log.jsonl").read_text().splitlines()] for x in ("a", "b")]
     assert rows[0] == rows[1]

@@ -126,29 +126,41 @@ class TrainJob:
         return self.model_dir.parent / f"{self.model_dir.name}.train.log"
 
 
-def _median_tok_s(log: list[dict], first_step: int) -> float | None:
-    rates = [r["tok_s"] for r in log if "tok_s" in r and r["step"] >= first_step]
+def _steady(log: list[dict]) -> list[dict]:
+    """The train rows of steady steps: each leg's first trained step left out (`leg_start`: step 1, and the step after
+    the checkpoint a resumed leg starts from, which builds the caches and, compiled, compiles again); step 1 also
+    where an older log lacks the mark."""
+    return [r for r in log if r["step"] >= 2 and not r.get("leg_start")]
+
+
+def _warm_steps(log: list[dict]) -> list[int]:
+    """The train rows' steps that _steady leaves out (the report names them)."""
+    return sorted({r["step"] for r in log if "loss" in r and (r["step"] < 2 or r.get("leg_start"))})
+
+
+def _median_tok_s(log: list[dict]) -> float | None:
+    rates = [r["tok_s"] for r in _steady(log) if "tok_s" in r]
     return statistics.median(rates) if rates else None  # an even count: the mean of the middle two
 
 
-def _stepping_tok_s(log: list[dict], first_step: int) -> float | None:
+def _stepping_tok_s(log: list[dict]) -> float | None:
     """Tokens over the summed wall time of the steps (each step's tokens / its `tok_s`), start-up and validation
     passes left out: the pace the run actually stepped at. The median of `tok_s` understates a heavy-tailed step
     time (a loaded box's slow steps), and a budget priced on it runs out."""
-    rates = [r["tok_s"] for r in log if r.get("tok_s") and r["step"] >= first_step]
+    rates = [r["tok_s"] for r in _steady(log) if r.get("tok_s")]
     return len(rates) / sum(1.0 / x for x in rates) if rates else None  # equal tokens per step: harmonic mean
 
 
-def _mean_step_s(log: list[dict], first_step: int) -> float | None:
+def _mean_step_s(log: list[dict]) -> float | None:
     """The mean of the model's own step times (`step_s`), what the training log's summary prints."""
-    secs = [r["step_s"] for r in log if r.get("step_s") and r["step"] >= first_step]
+    secs = [r["step_s"] for r in _steady(log) if r.get("step_s")]
     return sum(secs) / len(secs) if secs else None
 
 
-def _median_step_s(log: list[dict], first_step: int) -> float | None:
+def _median_step_s(log: list[dict]) -> float | None:
     """The median of the model's own step times (`step_s`: a step's start to its statistics, without the lockstep
     wait for the other model that `tok_s` includes)."""
-    secs = [r["step_s"] for r in log if r.get("step_s") and r["step"] >= first_step]
+    secs = [r["step_s"] for r in _steady(log) if r.get("step_s")]
     return statistics.median(secs) if secs else None  # an even count: the mean of the middle two
 
 
@@ -422,9 +434,10 @@ def train_summary(job: TrainJob, fingerprint: str, wall: float) -> dict:
     c = job.cfg
     return {"steps": steps, "tokens": steps * c.batch_size * c.seq_len * c.grad_accum,
             "train_seconds": float(state.get("elapsed", wall)), "wall_seconds": wall,
-            "median_tok_s": _median_tok_s(log, first_step=2), "val_loss": final["val_loss"],  # 1: warm-up
-            "median_step_s": _median_step_s(log, first_step=2),
-            "stepping_tok_s": _stepping_tok_s(log, first_step=2), "mean_step_s": _mean_step_s(log, first_step=2),
+            "median_tok_s": _median_tok_s(log), "val_loss": final["val_loss"],  # each leg's first step: warm-up
+            "median_step_s": _median_step_s(log),
+            "stepping_tok_s": _stepping_tok_s(log), "mean_step_s": _mean_step_s(log),
+            "warm_steps": _warm_steps(log),
             "gap_key": gap_key, "gap": final.get(gap_key), "gap_at_0": evals[0].get(gap_key),
             "val_curve": [[r["step"], r["val_loss"], r.get(gap_key)] for r in evals]}
 
