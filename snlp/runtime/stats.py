@@ -83,9 +83,17 @@ def _rank_sum_tied_counts(values: list[float], n: int) -> list[float]:
     return dp[n].tolist()
 
 
-# above this many pairs, equal timings take the normal limit (the exact table holds (n + 1) x 2nN entries, one pass
-# over it per distinct timing: 50 and 50 timings, 0.1 s; the normal limit is then within ~1e-3 of the exact p)
-TIED_EXACT_PAIRS = 2_500
+# above this much work, equal timings take the normal limit: the exact table holds (s + 1) x (2sN + 1) entries (s the
+# shorter side), one pass over it per distinct timing, ~0.2 s at this bound (80 and 80 timings, 10 and 1,400, 1 and
+# 10,000). The normal limit's error goes with the shorter side, not the pairs: within ~1e-3 of the exact p at 50 and
+# 50, but 0.08 for the exact 2/2502 of 1 timing above 2,501 (the table there: 0.05 s)
+TIED_EXACT_WORK = 400_000_000
+
+
+def _rank_sum_tied_work(n: int, m: int, distinct: int) -> int:
+    """The entries _rank_sum_tied_counts passes over for sides of n and m timings with `distinct` values."""
+    s = min(n, m)
+    return distinct * (s + 1) * (2 * s * (n + m) + 1)
 
 
 def _rank_sum_tied_normal_p(a: list[float], b: list[float], u: float) -> float:
@@ -112,9 +120,10 @@ def rank_sum_p(a: list[float], b: list[float]) -> float:
     if n < 1 or m < 1:
         return 1.0
     u = sum((x > y) + 0.5 * (x == y) for x in a for y in b)
-    if len(set(a) | set(b)) < n + m and n * m > TIED_EXACT_PAIRS:  # many equal timings: the normal limit
+    distinct = len(set(a) | set(b))
+    if distinct < n + m and _rank_sum_tied_work(n, m, distinct) > TIED_EXACT_WORK:  # too big a table: the normal limit
         return _rank_sum_tied_normal_p(a, b, u)
-    if len(set(a) | set(b)) < n + m:  # equal timings: the splits of these timings
+    if distinct < n + m:  # equal timings: the splits of these timings
         if n > m:  # the table's rows are the first side's counts: the smaller side (p is symmetric)
             return rank_sum_p(b, a)
         counts = _rank_sum_tied_counts([*a, *b], n)

@@ -398,16 +398,45 @@ def test_rank_sum_p_with_equal_timings_is_the_exact_p_over_the_splits_of_those_t
         a = [float(rng.randint(0, 4)) for _ in range(rng.randint(1, 6))]
         b = [float(rng.randint(0, 4)) for _ in range(rng.randint(1, 6))]
         assert rank_sum_p(a, b) == pytest.approx(naive_rank_sum_p(a, b), abs=1e-12), (a, b)
-    # past TIED_EXACT_PAIRS: the normal limit with the ties' variance correction, scipy's asymptotic p
+    # past TIED_EXACT_WORK: the normal limit with the ties' variance correction, scipy's asymptotic p
     from scipy.stats import mannwhitneyu
 
-    from snlp.runtime.stats import TIED_EXACT_PAIRS
+    from snlp.runtime.stats import TIED_EXACT_WORK
 
-    a = [float(rng.randint(0, 40)) for _ in range(120)]
-    b = [float(rng.randint(3, 43)) for _ in range(110)]
-    assert len(a) * len(b) > TIED_EXACT_PAIRS
+    a = [float(rng.randint(0, 40)) for _ in range(300)]
+    b = [float(rng.randint(3, 43)) for _ in range(280)]
+    s, big = min(len(a), len(b)), len(a) + len(b)  # the exact table's entries, once per distinct timing
+    assert len(set(a) | set(b)) * (s + 1) * (2 * s * big + 1) > TIED_EXACT_WORK
     assert rank_sum_p(a, b) == pytest.approx(mannwhitneyu(a, b, method="asymptotic").pvalue, abs=1e-12)
     assert rank_sum_p([1.0] * 200, [1.0] * 200) == 1.0
+
+
+def test_rank_sum_p_with_equal_timings_and_one_short_side_is_exact():
+    """The normal limit took every tied split of more than 2,500 pairs, however short one side was: 1 timing above
+    2,501 others (two of them equal) got p = 0.083, a tie, where the splits of these timings give 2/2502 and the
+    same timings all distinct gave that exact p (a lead); its error is of the order of 1/sqrt of the shorter side,
+    not of the pairs. Reference: every split of the pooled timings into 1 or 2 and the rest, by their midranks
+    (scipy's rankdata), counted directly."""
+    import numpy as np
+    from scipy.stats import rankdata
+
+    from snlp.bench.stats import rank_sum_p
+
+    def naive(a, b):  # the exact two-sided p over every split, by the first side's midrank sum
+        mid = rankdata([*a, *b])
+        r = mid[:len(a)].sum()
+        sums = mid if len(a) == 1 else (mid[:, None] + mid[None, :])[np.triu_indices(len(mid), 1)]
+        return min(1.0, 2 * min((sums <= r + 1e-9).sum(), (sums >= r - 1e-9).sum()) / len(sums))
+
+    b = [float(i) for i in range(2500)] + [7.0]
+    assert rank_sum_p([3000.0], b) == pytest.approx(naive([3000.0], b), abs=1e-12) == pytest.approx(2 / 2502)
+    assert rank_sum_p(b, [3000.0]) == pytest.approx(2 / 2502)
+    assert rank_sum_p([3000.0], b[:-1] + [2500.0]) == pytest.approx(2 / 2502)  # all distinct: the same p
+    rng = np.random.default_rng(5)
+    for n, m in ((1, 2600), (2, 1300)):
+        a = [float(x) for x in rng.integers(20, 60, n)]
+        b = [float(x) for x in rng.integers(0, 50, m)]
+        assert rank_sum_p(a, b) == pytest.approx(naive(a, b), abs=1e-9), (n, m)
 
 
 SEQ4, SNLP4 = [10.0, 10.1, 12.0, 12.0], [5.0, 5.0, 5.0, 10.2]  # p10-p90 apart (10.03 > 8.64), two pairs the other way
