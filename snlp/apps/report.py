@@ -636,7 +636,8 @@ def warm_steps_text(trains: dict[str, dict]) -> str:
 
     def steps(w):
         return f"step {w[0]}" if len(w) == 1 else "steps " + ", ".join(map(str, w))
-    return ("each training leg's first step (caches built, compiled anew: " +
+    # the speedrun trains eager (speedrun.train.train_config sets no compile): a leg's first step warms the caches again
+    return ("each training leg's first step (caches warmed again: " +
             "; ".join(f"{label} {steps(w)}" for label, w in named) + ")")
 
 

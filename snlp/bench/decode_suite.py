@@ -931,7 +931,7 @@ def markdown(result: DecodeSuiteResult) -> str:
                      f"{'-' if r.alpha is None else f'{r.alpha:.3f}'} | "
                      f"{'-' if r.skipped else 'yes' if r.exact else 'no'} | {eq} | "
                      f"{note} |")
-    return "\n".join(lines + [""] + comparisons(result.rows))
+    return "\n".join(lines + [""] + comparisons(result.rows, result.reference))
 
 
 def penalty_words(m: DecodeSuiteMeta) -> str:
@@ -978,11 +978,12 @@ def _versus(a: DecodeSuiteRow, b: DecodeSuiteRow) -> str:
     return ratio
 
 
-def comparisons(rows: list[DecodeSuiteRow]) -> list[str]:
+def comparisons(rows: list[DecodeSuiteRow], reference: list[list[int]] | None = None) -> list[str]:
     """The head-to-head lines the table implies, each from two of its rows: snlp's sequential decoding against the
     faster of transformers' greedy rows (dynamic / static cache) at each batch size and treatment, and the fastest
     self-speculative row of snlp (among those with the sequential tokens) against transformers' fastest assisted
-    row at each batch size."""
+    row at each batch size. `reference`: snlp's eager sequential tokens per prompt (what a row of other token counts
+    is said against)."""
     ran = [r for r in rows if r.tokens_per_s is not None]
     out = []
     for B in dict.fromkeys(r.batch for r in rows):
@@ -992,33 +993,49 @@ def comparisons(rows: list[DecodeSuiteRow]) -> list[str]:
                    if (r.batch, r.treatment) == (B, t) and r.method in ("hf greedy (static)", "hf greedy")]
             if seq and hfs:
                 hf = max(hfs, key=lambda r: r.tokens_per_s)
+                # the snlp side is flagged too: a compiled or batched sequential row is no reference of itself
+                own = f"; snlp sequential's row: {other_counts(seq, reference)}" if seq.same_counts is False else ""
                 out.append(f"- B={B}, {t}: snlp sequential {_versus(seq, hf)} the tok/s of transformers' faster greedy "
-                           f"row ({hf.method}{_other_tokens(hf)})")
+                           f"row ({hf.method}{_other_tokens(hf, reference)}){own}")
         ours = [r for r in ran if r.batch == B and r.method.startswith("snlp speculative") and r.matches_sequential]
         theirs = [r for r in ran if r.batch == B and r.method in ("hf early-exit", "hf prompt-lookup")]
         if ours and theirs:
             a, b = max(ours, key=lambda r: r.tokens_per_s), max(theirs, key=lambda r: r.tokens_per_s)
             out.append(f"- B={B}: the fastest snlp self-speculative row ({a.treatment}, {a.plan}, block {a.block}) "
                        f"{_versus(a, b)} the tok/s of the fastest transformers assisted row ({b.method}, {b.plan}"
-                       f"{_other_tokens(b)})")
+                       f"{_other_tokens(b, reference)})")
     return out
 
 
 def other_counts(r: DecodeSuiteRow, reference: list[list[int]] | None = None) -> str:
     """What the table and a comparison line say of a row whose calls generated other token counts than the sequential
-    reference: its tok/s is over other work, so its x seq is no like-for-like ratio."""
+    reference: which call (its last, else an earlier one) and what its timed calls generated, so the words "over other
+    work" stand only where a timed call's total (tok/s's numerator) is not the reference's."""
     if r.generated is None:
         return "other token counts than snlp sequential's (its tok/s is over other work)"
-    want = f" where snlp sequential generated {sum(len(x) for x in reference[:len(r.generated)])}" if reference else ""
-    return (f"other token counts than snlp sequential's: its last call generated {sum(r.generated)}{want} (its tok/s "
-            f"is over other work)")
+    if not reference:
+        return (f"other token counts than snlp sequential's: its last call generated {sum(r.generated)} (its tok/s "
+                f"is over other work)")
+    want = [len(x) for x in reference[:r.prompts or r.batch]]  # the call's prompts, not as many as it returned
+    timed_off = any(c != sum(want) for c in r.generated_per_call)
+    if r.generated != want:
+        per = (f" ({', '.join(map(str, r.generated))} per prompt)" if sum(r.generated) == sum(want) else "")
+        ref = f" ({', '.join(map(str, want))})" if per else ""
+        return (f"other token counts than snlp sequential's: its last call generated {sum(r.generated)}{per} where "
+                f"snlp sequential generated {sum(want)}{ref} (its tok/s is over other work)")
+    if timed_off:  # the last call agreed, an earlier timed one did not
+        return (f"other token counts than snlp sequential's in an earlier call: its timed calls generated "
+                f"{', '.join(map(str, r.generated_per_call))} where snlp sequential generated {sum(want)} (its tok/s "
+                f"is over other work)")
+    return (f"other token counts than snlp sequential's in an earlier call; every timed call generated "
+            f"{sum(want)} in all, as snlp sequential did")
 
 
-def _other_tokens(r: DecodeSuiteRow) -> str:
+def _other_tokens(r: DecodeSuiteRow, reference: list[list[int]] | None = None) -> str:
     """What a comparison line says of a transformers row whose tokens are not snlp sequential's (its "= seq" no):
     the snlp side of the line decodes the sequential tokens, so a line that left this out would compare decoders
     of different text as if they were alike."""
-    counts = f"; {other_counts(r)}" if r.same_counts is False else ""
+    counts = f"; {other_counts(r, reference)}" if r.same_counts is False else ""
     if r.matches_sequential is not False:
         return counts
     return counts + (f"; its tokens differ from snlp sequential's on {r.mismatched_rows}/{r.prompts or r.batch} "

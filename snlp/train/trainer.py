@@ -282,6 +282,7 @@ def train_loop(run: Run, state: LoopState) -> None:
         bad = [(what, v) for what, v in (("loss", stats.loss), ("regulariser", stats.reg),
                                          ("gradient norm", stats.grad_norm)) if v is not None and not math.isfinite(v)]
         if bad:
+            log_last_step(run, state)  # the diverged step's row (off --log-every too): the run ends on it
             what, v = bad[0]
             raise FloatingPointError(f"training {what} became {v} at step {state.step} (nothing of this step is "
                                      f"saved); lower the learning rates or the loss's weights (--reg-lambda)")

@@ -216,6 +216,23 @@ def test_a_nan_gradient_stops_the_run_before_anything_saves_it(tmp_path, clip):
     assert not (Path(cfg.out) / "model.safetensors").exists()
 
 
+def test_a_diverged_step_off_log_every_has_its_row_in_the_log(tmp_path):
+    """A run that diverges ends on the diverged step as a stopped run does; its row (the NaN loss, null) is in the
+    log off --log-every too, as the last trained step's row always is: the default --log-every 10 left step 2's row
+    out, so the log ended at step 1's finite loss. Reference: the same run logged at every step (log_every 1)."""
+    from snlp.train.trainer import fit
+
+    rows = {}
+    for every in (1, 10):
+        (tmp_path / str(every)).mkdir()
+        cfg = diverging_cfg(tmp_path / str(every), log_every=every)
+        with pytest.raises(FloatingPointError, match="training loss became nan at step 2"):
+            fit(cfg)
+        rows[every] = [r for r in strict_lines((Path(cfg.out) / "log.jsonl").read_text()) if "loss" in r]
+    assert [r["step"] for r in rows[10]] == [r["step"] for r in rows[1]] == [1, 2]
+    assert rows[10][-1]["loss"] is None and rows[10][-1]["loss"] == rows[1][-1]["loss"]
+
+
 def test_resuming_a_run_whose_log_has_a_null_loss(tmp_path):
     """A run saved at step 1 (--stop-after 1, finite weights), resumed: it diverges at step 2 and dies there, its log
     ending in the null loss of step 2 after the save. A second --resume drops the dead leg's rows after the save

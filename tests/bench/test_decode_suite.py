@@ -759,6 +759,44 @@ def test_each_row_records_the_tokens_its_calls_generated_and_other_counts_are_fl
                              "tok/s is over other work))")
 
 
+def test_a_row_of_other_counts_says_which_call_differed_and_never_contradicts_itself():
+    """The note on a row whose calls generated other token counts names what differed: a short warm-up call with full
+    timed calls is no tok/s "over other work"; a call that returned fewer prompts is set against the reference of
+    every prompt of the call (not of as many as it returned); equal totals split otherwise are said per prompt; and a
+    comparison line flags its snlp sequential side as it flags the transformers side. Reference: the counts of the
+    calls fed in, summed here."""
+    from snlp.bench.decode_suite import DecodeSuiteRow, comparisons, fold_counts, other_counts
+
+    ref = [[1] * 8, [2] * 8]
+
+    def row(method, calls, timed, tps=100.0):
+        r = DecodeSuiteRow(method=method, library="snlp" if method.startswith("snlp") else "transformers",
+                           treatment="eager", batch=2, prompts=2, tokens_per_s=tps, tokens_per_s_min=tps - 5,
+                           tokens_per_s_max=tps + 5, seconds=[1.0] * len(timed), matches_sequential=True)
+        for c in calls:
+            fold_counts(r, [[0] * n for n in c], ref)
+        r.generated_per_call = timed
+        return r
+
+    warm = row("hf greedy", [[5, 8], [8, 8], [8, 8]], [16, 16])  # only the warm-up call was short
+    assert warm.same_counts is False
+    text = other_counts(warm, ref)
+    assert "over other work" not in text and "earlier call" in text and "16" in text
+    timed = row("hf greedy", [[8, 8], [5, 8], [8, 8]], [13, 16])  # a timed call short, the last one full
+    assert "its timed calls generated 13, 16 where snlp sequential generated 16" in other_counts(timed, ref)
+    fewer = row("hf greedy", [[8]], [8])  # one prompt of the call's two came back
+    assert "its last call generated 8 where snlp sequential generated 16" in other_counts(fewer, ref)
+    split = row("hf greedy", [[9, 7]], [16])
+    assert "its last call generated 16 (9, 7 per prompt) where snlp sequential generated 16 (8, 8)" in \
+        other_counts(split, ref)
+    seq = row("snlp sequential", [[8, 6]], [14], tps=200.0)
+    line = comparisons([seq, row("hf greedy", [[8, 8]], [16], tps=50.0)], ref)[0]
+    assert "snlp sequential's row: other token counts than snlp sequential's: its last call generated 14 where " \
+        "snlp sequential generated 16" in line
+    line = comparisons([row("snlp sequential", [[8, 8]], [16], tps=200.0), warm], ref)[0]
+    assert "earlier call" in line and "over other work" not in line
+
+
 def test_a_causal_plan_is_never_called_exact_and_its_speculative_rows_are():
     """A causal plan (the suffix's windows dropped) computes another function at any K: at K = C its snlp row is not
     called exact (exact_iters is None for it; the rule compared K with it), while its speculative row, verified by the

@@ -254,6 +254,19 @@ def test_training_pace_is_tokens_over_the_summed_step_time_not_a_median():
     assert "tok/s (median)" in training_table({"unigram_ce": 5.0}, {"noreg": old, "idn": old})
 
 
+def test_the_captions_warm_steps_claim_no_compilation_of_an_eager_speedrun(tmp_path):
+    """The caption names each leg's first step as left out of the pace; the speedrun trains eager, so it may not say
+    those steps compiled. Reference: the TrainConfig the speedrun builds for both models."""
+    from snlp.apps.report import warm_steps_text
+    from snlp.apps.speedrun.train import train_config
+
+    cfg = {"data": "d", "max_chars": 1, "vocab_size": 300, "depth": 2, "width": 32, "head_dim": 16, "seq_len": 8,
+           "batch_size": 1, "seed": 0, "reg_n": 1, "device": "cpu"}
+    assert not any(train_config(cfg, tmp_path / k, tmp_path, reg=k == "idn", steps=6).compile for k in ("noreg", "idn"))
+    text = warm_steps_text({"noreg": {"warm_steps": [1, 4]}, "idn": {"warm_steps": [1]}})
+    assert "No Reg. steps 1, 4; IDN Reg. step 1" in text and "compil" not in text
+
+
 def test_the_full_records_fused_column_names_its_reference_and_k_eq_c_is_itself():
     """A fresh report's Full records printed "AR Match vs fused 100.0%" for `1xF12-h0-K1` (K = C: the plan is its own
     fused reference, so 100 % is guaranteed) where the main table says "= itself"; the column now shows what the main
