@@ -61,13 +61,15 @@ def write_training_log(tmp_path) -> list[Path]:
 
 def write_train_summary(tmp_path) -> list[Path]:
     """finish(): train_summary.json of a run whose last train loss is NaN and whose validation is inf."""
+    from snlp.train.job import Job
     from snlp.train.trainer import LoopState, finish
     from snlp.train.validate import ValidationResult
 
     out = tmp_path / "run"
     out.mkdir()
+    job = Job(model=None, tokenizer=None, batch=None, val_batches=[], loss=None, validate=None)  # finish reads its hooks
     run = SimpleNamespace(bar=None, t_start=time.perf_counter(), ctx=SimpleNamespace(master=True, world=1), out=out,
-                          progress=SimpleNamespace(elapsed=1.5), interrupt=None)
+                          progress=SimpleNamespace(elapsed=1.5), interrupt=None, job=job)
     state = LoopState(step=3, tokens=96, train_loss=math.nan,
                       validation=ValidationResult(loss=math.inf, gaps={1: math.nan}), stopped_by="budget")
     res = finish(run, state, time.perf_counter())
