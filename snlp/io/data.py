@@ -25,6 +25,7 @@ from typing import Iterator
 import numpy as np
 
 from snlp.io.source import did_you_mean, home_path
+from snlp.runtime.checks import number_error
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".text", ""}
 TABLE_SUFFIXES = {".jsonl", ".parquet"}
@@ -320,10 +321,9 @@ def check_val_frac(val_frac) -> None:
     """Refuse, in one line, a validation fraction the split cannot hold out: it takes every round(1 / val_frac)-th
     document (validation_every), so every other one at most; above 0.5 it held out half and the run recorded and
     printed the fraction given."""
-    # a numpy real is a number here as in every other real-valued setting (snlp.runtime.checks.number_error): a
-    # np.float32 0.05 read as "not a number" was refused as out of range
-    real = isinstance(val_frac, (int, float, np.integer, np.floating)) and not isinstance(val_frac, (bool, np.bool_))
-    if not real or not 0 < val_frac <= 0.5:
+    # a number by the rule of every other real-valued setting (number_error: numpy reals too, no bool): a np.float32
+    # 0.05 read as "not a number" was refused as out of range
+    if number_error("--val-frac", val_frac) is not None or not 0 < val_frac <= 0.5:
         raise ValueError(f"--val-frac must lie in (0, 0.5] (every round(1 / f)-th document is held out, every other "
                          f"one at most), got {val_frac}")
 
