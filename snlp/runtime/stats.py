@@ -121,9 +121,9 @@ def rank_sum_p(a: list[float], b: list[float]) -> float:
         return 1.0
     u = sum((x > y) + 0.5 * (x == y) for x in a for y in b)
     distinct = len(set(a) | set(b))
-    if distinct < n + m and _rank_sum_tied_work(n, m, distinct) > TIED_EXACT_WORK:  # too big a table: the normal limit
-        return _rank_sum_tied_normal_p(a, b, u)
     if distinct < n + m:  # equal timings: the splits of these timings
+        if _rank_sum_tied_work(n, m, distinct) > TIED_EXACT_WORK:  # too big a table: the normal limit
+            return _rank_sum_tied_normal_p(a, b, u)
         if n > m:  # the table's rows are the first side's counts: the smaller side (p is symmetric)
             return rank_sum_p(b, a)
         counts = _rank_sum_tied_counts([*a, *b], n)
